@@ -1,0 +1,276 @@
+"""`Engine`: the user-facing API. Load a checkpoint, build the expert executor, generate.
+
+    engine = Engine.from_pretrained(path, gpu_budget_bytes=12 << 30)
+    out = engine.generate(ids, max_new_tokens=64, beam_width=4)
+    out.tokens, out.sequences_scores, out.stats
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import MoEConfig
+from .generate import GenerationOutput, generate
+from .model import Linear, LocalExperts, MoETransformer, _kernels
+from .weights import load_weights
+
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_BATCH = 4
+
+
+def build_local_executor(config: MoEConfig, experts, *, device, **_ignored) -> LocalExperts:
+    """Reference executor factory with build_executor's signature: all experts on `device`, no placement."""
+    return LocalExperts(experts, device, experts[0][0].w1.dtype)
+
+
+def default_executor_factory() -> Callable:
+    """fiddler.executor.build_executor (CPU/GPU orchestration) when present, else the local reference."""
+    try:
+        from .executor import build_executor
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.executor":
+            raise
+        return build_local_executor
+    return build_executor
+
+
+# ---------------------------------------------------------------------------- memory bandwidth
+
+_BANDWIDTH_CACHE: dict[str, dict] = {}
+
+
+def _torch_gemv_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """GB/s of an fp32 GEMV (MKL via F.linear, one token) streaming `nbytes` of weights."""
+    k = 4096
+    w = torch.ones((nbytes // (4 * k), k), dtype=torch.float32)
+    x = torch.ones((1, k), dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms pages and caches
+        t = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - t)
+    return w.numel() * 4 / best / 1e9
+
+
+def measure_memory_bandwidth() -> dict:
+    """Host memory read bandwidth: the faster of the kernel's probe and an fp32 torch GEMV (a probe
+    that is itself compute-bound would under-report the limit). Measured once per process."""
+    if "host" not in _BANDWIDTH_CACHE:
+        res = {"torch_fp32_gemv_gbs": _torch_gemv_bandwidth()}
+        k = _kernels()
+        if k is not None:
+            res["kernel_probe_gbs"] = float(k.bandwidth_probe())
+        res["bandwidth_gbs"] = max(v for v in res.values())
+        _BANDWIDTH_CACHE["host"] = res
+    return dict(_BANDWIDTH_CACHE["host"])
+
+
+def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(4, 16, 64, 256), repeats: int = 3) -> int:
+    """Largest token count at which the packed kernel still beats torch's matmul (oneDNN/AMX) on `weight`,
+    measured; beyond it Linear uses torch. Returns 0 if the kernel is slower even at the smallest count."""
+    k = _kernels()
+    if k is None:
+        return 0
+    packed = k.PackedLinear(weight)
+    best_n = 0
+    for n in candidates:
+        x = torch.randn(n, weight.shape[1]).to(weight.dtype)
+        tk = tt = float("inf")
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            packed.forward(x)
+            tk = min(tk, time.perf_counter() - t)
+            t = time.perf_counter()
+            F.linear(x, weight)
+            tt = min(tt, time.perf_counter() - t)
+        if tk <= tt:
+            best_n = n
+        else:
+            break
+    return best_n if best_n < candidates[-1] else 1 << 30
+
+
+class Engine:
+    def __init__(self, config: MoEConfig, model: MoETransformer, executor, *, dtype, device, seed: int, info: dict):
+        self.config, self.model, self.executor = config, model, executor
+        self.dtype, self.device = dtype, device
+        self._seed = seed
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._info = info
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device | None = None,
+        gpu_budget_bytes: int | None = None,
+        placement: str = "popularity",
+        popularity=None,
+        planner: str = "makespan",
+        latency_model=None,
+        cpu_threads: int | None = None,
+        max_seq_len: int | None = None,
+        max_batch: int | None = None,
+        seed: int = 0,
+        executor_factory: Callable | None = None,
+        measure_bandwidth: bool = True,
+    ) -> "Engine":
+        """Load an HF Mixtral checkpoint. Defaults: CUDA if present (GPU budget = 90% of free GPU memory)
+        else the CPU with no GPU budget; KV cache for max_batch=4 rows of min(context, 4096) tokens."""
+        t_load = time.perf_counter()
+        cfg = MoEConfig.from_pretrained(path)
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and gpu_budget_bytes is None:
+            gpu_budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9)
+        max_seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        max_batch = max_batch or DEFAULT_MAX_BATCH
+        if cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
+            k = _kernels()
+            if k is not None:
+                k.set_num_threads(cpu_threads)
+
+        weights = load_weights(path, cfg, dtype=dtype, device=device)
+        factory = executor_factory or default_executor_factory()
+        executor = factory(
+            cfg,
+            weights.experts,
+            device=device,
+            gpu_budget_bytes=gpu_budget_bytes,
+            max_seq_len=max_seq_len,
+            max_batch=max_batch,
+            placement=placement,
+            popularity=popularity,
+            planner=planner,
+            latency_model=latency_model,
+            cpu_threads=cpu_threads,
+            seed=seed,
+        )
+        model = MoETransformer(cfg, weights, executor, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, device=device)
+        weights.experts = []  # the executor owns them now
+        kernel_linears = any(l.packed is not None for l in model.linears())
+        if kernel_linears:
+            Linear.kernel_max_tokens = choose_kernel_max_tokens(model.layers[0][1].weight)
+        k = _kernels()
+        info = {
+            "path": str(path),
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "model": {k_: v for k_, v in vars(cfg).items()},
+            "max_seq_len": max_seq_len,
+            "max_batch": max_batch,
+            "gpu_budget_bytes": gpu_budget_bytes,
+            "executor": type(executor).__module__ + "." + type(executor).__name__,
+            "placement": placement,
+            "planner": planner,
+            "kernel_isa": k.isa() if k is not None else None,
+            "kernel_linears": kernel_linears,
+            "kernel_max_tokens": Linear.kernel_max_tokens if kernel_linears else 0,
+            "torch_threads": torch.get_num_threads(),
+            "load_s": time.perf_counter() - t_load,
+        }
+        if measure_bandwidth and device.type == "cpu":
+            info["memory_bandwidth"] = measure_memory_bandwidth()
+        return cls(cfg, model, executor, dtype=dtype, device=device, seed=seed, info=info)
+
+    # ------------------------------------------------------------------ API
+
+    def _prompt(self, input_ids) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"one prompt at a time: got a batch of {ids.shape[0]} (use beam_width for beams)")
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D or [1, S], got shape {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+        return ids
+
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        beam_width: int = 1,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        on_first_token: Callable[[], None] | None = None,
+    ) -> GenerationOutput:
+        """Generate exactly `max_new_tokens` (fewer only if `eos_token_id` is given and produced).
+        Sampling is seeded by `seed`, or by the engine's seed stream when None."""
+        prompt = self._prompt(input_ids)
+        gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        if hasattr(self.executor, "reset_stats"):
+            self.executor.reset_stats()
+        out = generate(
+            self.model,
+            prompt,
+            max_new_tokens,
+            beam_width=beam_width,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=gen,
+            eos_token_id=eos_token_id,
+            on_first_token=on_first_token,
+        )
+        self._add_stats(out, prompt.shape[0], beam_width)
+        return out
+
+    def _add_stats(self, out: GenerationOutput, S: int, B: int):
+        st = out.stats
+        lat = st["decode_latencies_s"]
+        st["prefill_tok_s"] = S / st["ttft_s"]
+        st["new_tokens"] = int(out.tokens.shape[0])
+        st["decode_s"] = sum(lat)
+        st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
+        st["executor"] = _plain(getattr(self.executor, "stats", {}))
+        if lat and "memory_bandwidth" in self._info:
+            # Bytes a decode step must read, averaged over the steps actually run (the KV cache grows).
+            per_step = [self.config.decode_bytes_per_token(S + i + 1, self.dtype, B) for i in range(len(lat))]
+            nbytes = sum(per_step) / len(per_step)
+            bw = self._info["memory_bandwidth"]["bandwidth_gbs"]
+            st["decode_bytes_per_token"] = nbytes
+            st["memory_bandwidth_gbs"] = bw
+            st["decode_bound_tok_s"] = bw * 1e9 / nbytes
+            st["decode_bound_fraction"] = st["decode_tok_s"] / st["decode_bound_tok_s"]
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids) -> torch.Tensor:
+        """Teacher-forced fp32 logits [S, vocab] for one prompt (no generation; the KV cache is overwritten)."""
+        prompt = self._prompt(input_ids)
+        if prompt.shape[0] > self.model.max_seq_len:
+            raise ValueError(f"prompt of {prompt.shape[0]} tokens exceeds max_seq_len={self.model.max_seq_len}")
+        return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
+
+    def info(self) -> dict:
+        d = dict(self._info)
+        for name in ("info", "summary"):
+            fn = getattr(self.executor, name, None)
+            if callable(fn):
+                d["executor_info"] = _plain(fn())
+                break
+        return d
+
+
+def _plain(x):
+    """Stats as plain Python (JSON-able) values."""
+    if isinstance(x, dict) or hasattr(x, "items"):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return x

@@ -1,0 +1,253 @@
+"""The Mixtral forward pass in plain PyTorch.
+
+Op order and dtypes follow transformers' modeling_mixtral.py (5.24) so that fp32 results agree to
+rounding and bf16 results to bf16 noise: RMSNorm in fp32 then cast back, rope tables built in fp32
+and cast to the model dtype, router softmax in fp32, top-k renormalised. Expert FFNs are not computed
+here: the MoE block hands (tokens, top-k ids, top-k weights) to an executor, which decides where each
+expert runs (the Fiddler part). `LocalExperts` is the plain reference executor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import MoEConfig
+from .weights import ExpertWeights, ModelWeights
+
+
+def _kernels():
+    """fiddler.kernels if its compiled library loaded, else None."""
+    try:
+        from . import kernels
+    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
+        return None
+    if not hasattr(kernels, "is_available") or not kernels.is_available():
+        return None
+    return kernels
+
+
+class Linear:
+    """y = x @ w.T. On the CPU in bf16 it uses the packed AVX512-BF16 kernel (torch's bf16 GEMV streams
+    at ~40% of the memory limit); otherwise, and for token counts above `kernel_max_tokens` where
+    oneDNN/AMX matmul may win (decided by measurement, see `choose_kernel_max_tokens`), torch."""
+
+    kernel_max_tokens: int = 1 << 30  # class-wide; the Engine sets it from a measurement
+
+    def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None):
+        self.weight = weight
+        k = _kernels()
+        if use_kernel is None:
+            use_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.packed = k.PackedLinear(weight) if (use_kernel and k is not None) else None
+        self.threads: int | None = None
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= Linear.kernel_max_tokens:
+            return self.packed.forward(x, threads=self.threads, out_dtype=out_dtype or x.dtype)
+        y = F.linear(x, self.weight)
+        return y if out_dtype is None else y.to(out_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_tables(cfg: MoEConfig, max_seq: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seq, head_dim], computed exactly like transformers' default rope (fp32, then cast)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = torch.arange(max_seq, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral router: softmax in fp32 over all experts, top-k, renormalise over the chosen ones."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    w /= w.sum(dim=-1, keepdim=True)
+    return idx, w.to(dtype)
+
+
+class LocalExperts:
+    """Reference executor: every expert on one device via torch (or the packed CPU kernel for bf16 on
+    the CPU). Same `forward` contract as fiddler.executor.MoEExecutor."""
+
+    def __init__(self, experts: list[list[ExpertWeights]], device, dtype: torch.dtype, use_kernel: bool | None = None):
+        device = torch.device(device)
+        k = _kernels()
+        if use_kernel is None:
+            use_kernel = device.type == "cpu" and dtype == torch.bfloat16
+        self.packed = None
+        if use_kernel and k is not None:
+            self.packed = [[k.PackedExpert(e.w1, e.w3, e.w2) for e in layer] for layer in experts]
+            self.experts = None
+        else:
+            self.experts = [
+                [ExpertWeights(*(w.to(device=device, dtype=dtype) for w in (e.w1, e.w3, e.w2))) for e in layer]
+                for layer in experts
+            ]
+        self.stats: dict = {}
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = {"expert_calls": 0, "expert_tokens": 0}
+
+    def _ffn(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed[layer][e].forward(x)
+        w = self.experts[layer][e]
+        return F.linear(F.silu(F.linear(x, w.w1)) * F.linear(x, w.w3), w.w2)
+
+    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        T, K = topk_idx.shape
+        if T == 1:  # decode: no gather/scatter, accumulate in fp32 like transformers' grouped_mm path
+            out = None
+            ids = topk_idx[0].tolist()
+            for k, e in enumerate(ids):
+                y = self._ffn(layer, e, x) * topk_w[0, k].float()
+                out = y if out is None else out + y
+            self.stats["expert_calls"] += K
+            self.stats["expert_tokens"] += K
+            return out.to(x.dtype)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.packed or self.experts[layer])).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            start += n
+            tok, kk = sel // K, sel % K
+            y = self._ffn(layer, e, x[tok].contiguous()).float() * topk_w[tok, kk].float()[:, None]
+            out.index_add_(0, tok, y)
+            self.stats["expert_calls"] += 1
+            self.stats["expert_tokens"] += n
+        return out.to(x.dtype)
+
+
+class KVCache:
+    """Preallocated [batch, kv_heads, max_seq, head_dim] keys and values per layer."""
+
+    def __init__(self, cfg: MoEConfig, max_batch: int, max_seq: int, dtype: torch.dtype, device):
+        shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_seq, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_batch, self.max_seq = max_batch, max_seq
+
+    def reorder(self, beam_idx: torch.Tensor, length: int):
+        """Beam search: row b of the cache becomes old row beam_idx[b] (only the filled prefix is copied)."""
+        B = beam_idx.shape[0]
+        for t in (self.k, self.v):
+            t[:, :B, :, :length] = t[:, :B, :, :length].index_select(1, beam_idx)
+
+    def broadcast_row0(self, batch: int, length: int):
+        """Copy the prompt's cache (row 0) into rows 1..batch-1 (beam search after a batch-1 prefill)."""
+        for t in (self.k, self.v):
+            t[:, 1:batch, :, :length] = t[:, :1, :, :length]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class MoETransformer:
+    """Mixtral decoder. `forward(tokens[B, T], start_pos)` appends to the KV cache and returns logits."""
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        weights: ModelWeights,
+        executor,
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device,
+        use_kernel: bool | None = None,
+    ):
+        self.cfg, self.executor, self.dtype, self.device = cfg, executor, dtype, torch.device(device)
+        self.embed = weights.embed
+        self.norm = weights.norm
+        self.lm_head = Linear(weights.lm_head, use_kernel=use_kernel)
+        self.layers = [
+            (
+                l.input_norm,
+                Linear(l.q, use_kernel=use_kernel),
+                Linear(l.k, use_kernel=use_kernel),
+                Linear(l.v, use_kernel=use_kernel),
+                Linear(l.o, use_kernel=use_kernel),
+                l.post_norm,
+                Linear(l.gate, use_kernel=use_kernel),
+            )
+            for l in weights.layers
+        ]
+        self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device)
+        self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
+        self.max_seq_len, self.max_batch = max_seq_len, max_batch
+
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [m for layer in self.layers for m in layer if isinstance(m, Linear)]
+
+    def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, q_proj, k_proj, v_proj, o_proj):
+        cfg = self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = q_proj(h).view(B, T, nh, d).transpose(1, 2)
+        k = k_proj(h).view(B, T, nkv, d).transpose(1, 2)
+        v = v_proj(h).view(B, T, nkv, d).transpose(1, 2)
+        cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kc, vc = self.cache.k[i, :B], self.cache.v[i, :B]
+        kc[:, :, pos : pos + T] = k
+        vc[:, :, pos : pos + T] = v
+        L = pos + T
+        keys, values = kc[:, :, :L], vc[:, :, :L]
+        scale = d**-0.5
+        window = cfg.sliding_window
+        if T == 1 and (window is None or L <= window):
+            # One query per sequence: attend per KV head with its group of query heads (no repeat of K/V).
+            o = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, d), keys, values, scale=scale)
+        elif pos == 0 and (window is None or L <= window):
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=nh != nkv)
+        else:
+            qi = torch.arange(pos, L, device=h.device)[:, None]
+            kj = torch.arange(L, device=h.device)[None, :]
+            mask = kj <= qi
+            if window is not None:
+                mask &= kj > qi - window
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=nh != nkv)
+        o = o.reshape(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)
+        return o_proj(o)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions start_pos.. -> fp32 logits [B, V] of the last position
+        (or [B, T, V] with all_logits)."""
+        B, T = tokens.shape
+        if start_pos + T > self.max_seq_len:
+            raise ValueError(f"sequence length {start_pos + T} exceeds the KV cache size max_seq_len={self.max_seq_len}")
+        if B > self.max_batch:
+            raise ValueError(f"batch {B} exceeds max_batch={self.max_batch}")
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H]
+        for i, (n1, q, k, v, o, n2, gate) in enumerate(self.layers):
+            x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, q, k, v, o)
+            h = rms_norm(x, n2, eps)
+            idx, w = route(gate(h), cfg.top_k, self.dtype)
+            x = x + self.executor.forward(i, h, idx, w)
+        if not all_logits:
+            x = x.view(B, T, -1)[:, -1].contiguous()
+        logits = self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32)
+        return logits.view(B, T, -1) if all_logits else logits

@@ -1,0 +1,234 @@
+"""Latency model of one expert: cpu(s), gpu(s) for s tokens and the transfer time of one expert.
+
+- cpu(s) = cpu_a * s + cpu_b (the paper's linear model: b is streaming the weights, a the per-token
+  compute and activation copies).
+- gpu(s) = max(gpu_floor, gpu_a * s + gpu_b): memory-bound (flat) for few tokens, compute-bound beyond.
+  A plain line (gpu_floor = 0) is the special case.
+- transfer() = seconds to copy one expert's weights host -> device.
+
+Two ways to get one: `calibrate` times the executor's real code paths (fitting the curves to raw samples,
+which are kept for the record), or `LatencyModel.from_hardware_spec` derives the same parameters from
+an environment description (bandwidths, TFLOP/s, cores, ISA, efficiency factors) for the simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+@dataclass
+class LatencyModel:
+    cpu_a: float
+    cpu_b: float
+    gpu_a: float
+    gpu_b: float
+    transfer_s: float
+    gpu_floor: float = 0.0
+    source: str = "manual"  # "calibrated" | "hardware_spec" | "manual"
+    meta: dict[str, Any] = field(default_factory=dict)
+    samples: dict[str, Any] = field(default_factory=dict)  # raw measurements behind a calibrated model
+
+    def cpu(self, s: float) -> float:
+        return self.cpu_a * s + self.cpu_b if s > 0 else 0.0
+
+    def gpu(self, s: float) -> float:
+        return max(self.gpu_floor, self.gpu_a * s + self.gpu_b) if s > 0 else 0.0
+
+    def transfer(self) -> float:
+        return self.transfer_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LatencyModel":
+        return cls(**d)
+
+    @classmethod
+    def manual(cls, cpu: tuple[float, float], gpu: tuple[float, float], transfer: float,
+               gpu_floor: float = 0.0) -> "LatencyModel":
+        """A hand-made model (tests, what-if studies): cpu=(a, b), gpu=(a, b), transfer seconds."""
+        return cls(cpu[0], cpu[1], gpu[0], gpu[1], transfer, gpu_floor, source="manual")
+
+    @classmethod
+    def from_hardware_spec(cls, spec: "HardwareSpec", config, dtype: torch.dtype = torch.bfloat16,
+                           cpu_threads: int | None = None) -> "LatencyModel":
+        """Costs of one expert of `config` on the machine `spec` describes (no measurement)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        wbytes = config.expert_bytes(dtype)
+        flops_tok = 2 * 3 * config.hidden_size * config.intermediate_size
+        act_bytes_tok = config.hidden_size * size  # one row each way for a CPU expert
+        threads = cpu_threads or spec.cpu_threads or spec.cpu_cores
+        cpu_flops = threads * spec.cpu_ghz * 1e9 * spec.cpu_flops_per_cycle() * spec.cpu_flops_eff
+        cpu_bw = spec.cpu_mem_bandwidth_gbps * 1e9 * spec.cpu_bw_eff
+        pcie_h2d = spec.pcie_h2d_gbps * 1e9 * spec.pcie_eff
+        pcie_d2h = (spec.pcie_d2h_gbps or spec.pcie_h2d_gbps) * 1e9 * spec.pcie_eff
+        cpu_a = flops_tok / cpu_flops
+        if spec.gpu_mem_bandwidth_gbps > 0:
+            cpu_a += act_bytes_tok / pcie_d2h + act_bytes_tok / pcie_h2d
+        cpu_b = wbytes / cpu_bw + spec.cpu_call_overhead_s
+        if spec.gpu_mem_bandwidth_gbps > 0 and spec.gpu_bf16_tflops > 0:
+            gpu_a = flops_tok / (spec.gpu_bf16_tflops * 1e12 * spec.gpu_flops_eff)
+            gpu_b = spec.gpu_launch_overhead_s
+            gpu_floor = wbytes / (spec.gpu_mem_bandwidth_gbps * 1e9 * spec.gpu_bw_eff) + spec.gpu_launch_overhead_s
+            transfer = wbytes / pcie_h2d + spec.pcie_latency_s
+        else:  # no GPU: GPU-side options must never look attractive
+            gpu_a, gpu_b, gpu_floor, transfer = 0.0, float("inf"), float("inf"), float("inf")
+        return cls(cpu_a, cpu_b, gpu_a, gpu_b, transfer, gpu_floor, source="hardware_spec",
+                   meta={"spec": asdict(spec), "dtype": str(dtype), "expert_bytes": wbytes,
+                         "flops_per_token": flops_tok, "cpu_threads": threads})
+
+
+# FLOPs per cycle per core for an expert GEMM on each ISA path, assuming one 512-bit (or two 256-bit)
+# FMA pipe busy: vdpbf16ps does 32 bf16 multiply-adds; AVX-512 without BF16 converts to fp32 (16 lanes);
+# AVX2 has 8 fp32 lanes x 2 pipes. Override with HardwareSpec.cpu_flops_per_cycle_override.
+_FLOPS_PER_CYCLE = {"avx512_bf16": 64.0, "avx512": 32.0, "avx2": 32.0, "amx": 512.0}
+
+
+@dataclass
+class HardwareSpec:
+    """What the latency model needs to know about a machine. Efficiency factors are the fraction of each
+    peak the real kernels reach; they are assumptions until checked against measurements."""
+
+    gpu_mem_bandwidth_gbps: float
+    gpu_bf16_tflops: float
+    pcie_h2d_gbps: float
+    cpu_mem_bandwidth_gbps: float
+    cpu_cores: int
+    cpu_isa: str = "avx512_bf16"
+    pcie_d2h_gbps: float = 0.0  # 0 = same as h2d
+    cpu_threads: int | None = None
+    cpu_ghz: float = 2.5
+    cpu_flops_per_cycle_override: float | None = None
+    cpu_bw_eff: float = 0.8
+    cpu_flops_eff: float = 0.5
+    gpu_bw_eff: float = 0.8
+    gpu_flops_eff: float = 0.5
+    pcie_eff: float = 1.0  # environment PCIe numbers are already achieved pinned-copy rates
+    gpu_launch_overhead_s: float = 2e-5
+    cpu_call_overhead_s: float = 2e-5
+    pcie_latency_s: float = 1e-5
+
+    def cpu_flops_per_cycle(self) -> float:
+        if self.cpu_flops_per_cycle_override is not None:
+            return self.cpu_flops_per_cycle_override
+        if self.cpu_isa not in _FLOPS_PER_CYCLE:
+            raise ValueError(f"unknown cpu_isa {self.cpu_isa!r}; known: {sorted(_FLOPS_PER_CYCLE)}")
+        return _FLOPS_PER_CYCLE[self.cpu_isa]
+
+    @classmethod
+    def from_environment(cls, env, **overrides) -> "HardwareSpec":
+        """From an environment description shaped like conf/environment/*.yaml (gpu.*, pcie.*, cpu.*),
+        given as nested dicts or attribute objects (e.g. the runner's structured config)."""
+        def get(obj, path, default=None):
+            for key in path.split("."):
+                if obj is None:
+                    return default
+                obj = obj.get(key, None) if isinstance(obj, dict) else getattr(obj, key, None)
+            return default if obj is None else obj
+
+        isa = get(env, "cpu.isa", "avx512_bf16")
+        isa = getattr(isa, "value", isa)  # Enum from a structured config
+        kw = dict(
+            gpu_mem_bandwidth_gbps=float(get(env, "gpu.mem_bandwidth_gbps", 0.0)),
+            gpu_bf16_tflops=float(get(env, "gpu.bf16_tflops", 0.0)),
+            pcie_h2d_gbps=float(get(env, "pcie.h2d_gbps", 0.0)),
+            pcie_d2h_gbps=float(get(env, "pcie.d2h_gbps", 0.0)),
+            cpu_mem_bandwidth_gbps=float(get(env, "cpu.mem_bandwidth_gbps")),
+            cpu_cores=int(get(env, "cpu.cores")),
+            cpu_threads=get(env, "cpu.threads"),
+            cpu_isa=str(isa),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+# ---------------------------------------------------------------- fitting
+
+def fit_linear(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares t = a*s + b with a, b >= 0 (a negative slope or intercept is measurement noise)."""
+    n = len(points)
+    if n == 0:
+        raise ValueError("no samples to fit")
+    xs = [float(s) for s, _ in points]
+    ys = [float(t) for _, t in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    b = my - a * mx
+    if a < 0:
+        return 0.0, my
+    if b < 0:  # refit through the origin
+        return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
+    return a, b
+
+
+def fit_roofline(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """Fit t = max(floor, a*s + b): try every split of the samples (sorted by s) into a flat head and a
+    linear tail, keep the split with the smallest squared relative error. Returns (a, b, floor)."""
+    pts = sorted((float(s), float(t)) for s, t in points)
+    best = None
+    for k in range(0, len(pts) - 1):
+        head, tail = pts[:k], pts[k:]
+        floor = sum(t for _, t in head) / len(head) if head else 0.0
+        a, b = fit_linear(tail)
+        err = sum(((max(floor, a * s + b) - t) / t) ** 2 for s, t in pts if t > 0)
+        if best is None or err < best[0]:
+            best = (err, a, b, floor)
+    if best is None:  # a single sample: flat
+        return 0.0, 0.0, pts[0][1]
+    return best[1], best[2], best[3]
+
+
+# ---------------------------------------------------------------- calibration
+
+_CACHE: dict[Any, LatencyModel] = {}
+
+
+def best_time(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
+    """Best-of-`repeats` wall time of fn() (fn must synchronise any asynchronous device work itself)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate(cpu_fn: Callable[[int], Any], gpu_fn: Callable[[int], Any], copy_fn: Callable[[], Any], *,
+              token_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 3,
+              cache_key: Any = None, meta: dict[str, Any] | None = None) -> LatencyModel:
+    """Measure the executor's real paths: cpu_fn(s) / gpu_fn(s) run one expert on s tokens, copy_fn()
+    copies one expert's weights into the device buffer. Results are cached per `cache_key` (the executor
+    passes (shape, dtype, device, threads)) for the life of the process."""
+    if cache_key is not None and cache_key in _CACHE:
+        return _CACHE[cache_key]
+    t_start = time.perf_counter()
+    counts = sorted({int(s) for s in token_counts if s > 0})
+    cpu_pts = [(s, best_time(lambda: cpu_fn(s), repeats)) for s in counts]
+    gpu_pts = [(s, best_time(lambda: gpu_fn(s), repeats)) for s in counts]
+    copy_ts = []
+    copy_fn()  # warm-up
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy_fn()
+        copy_ts.append(time.perf_counter() - t0)
+    cpu_a, cpu_b = fit_linear(cpu_pts)
+    gpu_a, gpu_b, gpu_floor = fit_roofline(gpu_pts)
+    lm = LatencyModel(cpu_a, cpu_b, gpu_a, gpu_b, min(copy_ts), gpu_floor, source="calibrated",
+                      meta={**(meta or {}), "repeats": repeats, "statistic": "min",
+                            "calibration_s": time.perf_counter() - t_start},
+                      samples={"cpu": cpu_pts, "gpu": gpu_pts, "transfer": copy_ts})
+    if cache_key is not None:
+        _CACHE[cache_key] = lm
+    return lm
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

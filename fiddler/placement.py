@@ -1,0 +1,182 @@
+"""Which experts live in GPU memory (resident, decision kind a) under a memory budget.
+
+The budget first pays for everything the GPU must hold regardless of placement -- non-expert weights,
+the KV cache for max_seq_len x max_batch, the executor's copy buffers for experts streamed in over PCIe
+(kind b) and the activations of one forward pass -- each computed from the model shape (see
+`reservation`). What is left holds whole experts: the most popular (layer, expert) pairs first
+(popularity placement, the paper's policy), a seeded random set (ablation), or an explicit
+fraction/mask (tests).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .popularity import Popularity
+
+# The executor double-buffers copied-in experts: one buffer is computed on while the next expert is
+# copied into the other (fiddler/executor.py uses exactly this many).
+COPY_BUFFERS = 2
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
+    """Peak transient GPU memory of one forward pass over max_batch x max_seq_len tokens (a full prefill).
+
+    Counts the tensors fiddler/model.py and fiddler/executor.py create: the residual stream and its
+    normed copy; attention q/k/v/output and the boolean mask of the masked SDPA path (SDPA's fused
+    kernels do not materialise scores); the MoE block's per-slot outputs, gathered rows, the largest
+    expert's intermediates (all T tokens may route to one expert), CPU results copied back, routing
+    indices; and fp32 logits of the last position. Attention and MoE are not live at the same time.
+    """
+    s = _size(dtype)
+    T = max_seq_len * max_batch
+    H, F, K = config.hidden_size, config.intermediate_size, config.top_k
+    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    residual = 2 * T * H * s
+    attention = T * (2 * nh + 2 * nkv) * d * s + max_batch * max_seq_len * max_seq_len
+    moe = (2 * T * K * H * s          # per-slot weighted outputs + CPU-expert results copied back
+           + T * H * s                 # combined output
+           + T * (2 * H + 4 * F) * s   # one expert: gathered rows, output, gate, up, silu, product
+           + 3 * T * K * 8)            # int64 sort order, token and slot indices
+    logits = max_batch * config.vocab_size * 4
+    return {"residual": residual, "attention_or_moe": max(attention, moe), "logits": logits}
+
+
+def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
+    """Bytes the GPU needs before any expert is made resident, by component."""
+    act = activation_bytes(config, dtype, max_seq_len, max_batch)
+    return {
+        "non_expert_weights": int(config.non_expert_bytes(dtype)),
+        "kv_cache": int(config.kv_cache_bytes(max_seq_len, max_batch, dtype)),
+        "expert_copy_buffers": COPY_BUFFERS * int(config.expert_bytes(dtype)),
+        "activations": int(sum(act.values())),
+    }
+
+
+@dataclass
+class Placement:
+    """resident[layer][expert] is True when that expert's weights live on the GPU."""
+
+    resident: list[list[bool]]
+    strategy: str
+    expert_bytes: int
+    budget_bytes: int | None = None
+    reserved: dict[str, int] = field(default_factory=dict)
+    seed: int | None = None
+
+    @property
+    def num_resident(self) -> int:
+        return sum(map(sum, self.resident))
+
+    @property
+    def num_experts_total(self) -> int:
+        return sum(map(len, self.resident))
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.num_resident * self.expert_bytes
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Everything this placement puts on the GPU: reservation plus resident experts."""
+        return sum(self.reserved.values()) + self.resident_bytes
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return self.resident[layer][expert]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "seed": self.seed,
+            "budget_bytes": self.budget_bytes,
+            "reserved_bytes": dict(self.reserved),
+            "expert_bytes": self.expert_bytes,
+            "num_resident": self.num_resident,
+            "num_experts_total": self.num_experts_total,
+            "resident_fraction": self.num_resident / self.num_experts_total,
+            "resident_bytes": self.resident_bytes,
+            "resident_per_layer": [sum(r) for r in self.resident],
+            "resident": [[e for e, r in enumerate(row) if r] for row in self.resident],
+        }
+
+
+def _mask_from_pairs(L: int, E: int, pairs) -> list[list[bool]]:
+    m = [[False] * E for _ in range(L)]
+    for l, e in pairs:
+        m[l][e] = True
+    return m
+
+
+def place(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: int, max_batch: int,
+          strategy: str = "popularity", popularity: Popularity | None = None, seed: int = 0,
+          fraction: float | None = None, mask: Sequence[Sequence[bool]] | None = None) -> Placement:
+    """Choose resident experts.
+
+    strategy: "popularity" (most popular pairs first, as many as fit), "random" (seeded, as many as
+    fit), "fraction" (the `fraction` most popular pairs, rounded down; must fit when a budget is given),
+    "mask" (exactly `mask`; must fit when a budget is given). budget_bytes=None means no GPU:
+    nothing is resident, whatever the strategy.
+    """
+    L, E = config.num_layers, config.num_experts
+    eb = int(config.expert_bytes(dtype))
+    if budget_bytes is None:
+        return Placement([[False] * E for _ in range(L)], "none (no GPU)", eb, None, {}, None)
+    reserved = reservation(config, dtype, max_seq_len, max_batch)
+    need = sum(reserved.values())
+    if budget_bytes < need:
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in reserved.items())
+        raise ValueError(
+            f"GPU budget {budget_bytes} B ({budget_bytes / 2**30:.3f} GiB) is smaller than the reservation "
+            f"{need} B ({need / 2**30:.3f} GiB) = {parts} (max_seq_len={max_seq_len}, max_batch={max_batch})"
+        )
+    fit = min((budget_bytes - need) // eb, L * E)
+    pop = Popularity.for_config(config, popularity)
+
+    if strategy == "popularity":
+        chosen = pop.ranking()[:fit]
+    elif strategy == "random":
+        pairs = [(l, e) for l in range(L) for e in range(E)]
+        random.Random(seed).shuffle(pairs)
+        chosen = pairs[:fit]
+    elif strategy in ("fraction", "mask"):
+        if strategy == "fraction":
+            if fraction is None or not 0.0 <= fraction <= 1.0:
+                raise ValueError(f"strategy 'fraction' needs 0 <= fraction <= 1, got {fraction!r}")
+            chosen = pop.ranking()[: int(fraction * L * E + 1e-9)]
+        else:
+            if mask is None or len(mask) != L or any(len(r) != E for r in mask):
+                raise ValueError(f"strategy 'mask' needs a {L} x {E} boolean mask")
+            chosen = [(l, e) for l in range(L) for e in range(E) if mask[l][e]]
+        if len(chosen) > fit:
+            raise ValueError(
+                f"{strategy} placement wants {len(chosen)} resident experts ({len(chosen) * eb} B) but the "
+                f"budget {budget_bytes} B leaves room for {fit} after the reservation of {need} B"
+            )
+    else:
+        raise ValueError(f"unknown placement strategy {strategy!r}; use popularity, random, fraction or mask")
+    return Placement(_mask_from_pairs(L, E, chosen), strategy, eb, int(budget_bytes), reserved,
+                     seed if strategy == "random" else None)
+
+
+def parse_placement(spec: str) -> tuple[str, dict[str, Any]]:
+    """'popularity' | 'random' | 'fraction:0.5' | 'all' | 'none' -> (strategy, kwargs) for `place`."""
+    if spec in ("popularity", "random"):
+        return spec, {}
+    if spec == "all":
+        return "fraction", {"fraction": 1.0}
+    if spec == "none":
+        return "fraction", {"fraction": 0.0}
+    if spec.startswith("fraction:"):
+        try:
+            return "fraction", {"fraction": float(spec.split(":", 1)[1])}
+        except ValueError:
+            pass
+    raise ValueError(f"bad placement {spec!r}; use popularity, random, all, none or fraction:<0..1>")

@@ -1,0 +1,177 @@
+"""Per-layer, per-step decision for every routed expert:
+
+  a: resident on the GPU -> run there;
+  b: copy its weights host -> GPU, then run there;
+  c: copy the activations to the CPU and run there.
+
+CPU and GPU work concurrently, so a layer takes max(CPU queue, GPU queue) where the CPU queue is the
+sum of cpu(s) over kind-c experts and the GPU queue the sum of gpu(s) over kind a plus transfer + gpu(s)
+over kind b (copies are counted serially with compute: conservative, and the copy dominates for real
+expert sizes). Planners only choose between b and c for non-resident experts; resident ones are a.
+
+- "paper": the rule of the Fiddler paper (Algorithm 1): b when transfer + gpu(s) < cpu(s), else c.
+- "makespan": minimise the predicted max(CPU, GPU) exactly (Gray-code walk over the 2^n splits of the
+  n non-resident routed experts) for n <= EXACT_LIMIT, else best prefix of a ratio ordering improved by
+  single moves. Never worse than all-CPU, all-GPU or the paper's rule (they are candidates).
+- "cpu" / "gpu": every non-resident expert on c / b (ablations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+GPU, COPY, CPU = "a", "b", "c"
+KINDS = (GPU, COPY, CPU)
+EXACT_LIMIT = 12
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    decisions: tuple  # per expert: "a" | "b" | "c" | None (no tokens routed)
+    counts: tuple  # tokens routed to each expert
+    cpu_time: float  # predicted seconds of the CPU queue
+    gpu_time: float  # predicted seconds of the GPU queue (copies included)
+
+    @property
+    def makespan(self) -> float:
+        return max(self.cpu_time, self.gpu_time)
+
+    def experts(self, kind: str) -> list[int]:
+        return [e for e, d in enumerate(self.decisions) if d == kind]
+
+    def tokens(self, kind: str) -> int:
+        return sum(n for n, d in zip(self.counts, self.decisions) if d == kind)
+
+
+def predict(counts: Sequence[int], decisions: Sequence, lm) -> tuple[float, float]:
+    """(cpu_time, gpu_time) of a decision vector under latency model `lm`."""
+    cpu = gpu = 0.0
+    for n, d in zip(counts, decisions):
+        if d == CPU:
+            cpu += lm.cpu(n)
+        elif d == GPU:
+            gpu += lm.gpu(n)
+        elif d == COPY:
+            gpu += lm.transfer() + lm.gpu(n)
+    return cpu, gpu
+
+
+def _plan(counts, decisions, lm) -> LayerPlan:
+    c, g = predict(counts, decisions, lm)
+    return LayerPlan(tuple(decisions), tuple(counts), c, g)
+
+
+def _base(counts: Sequence[int], resident: Sequence[bool]) -> tuple[list, list[int]]:
+    """Decisions with resident experts set to a, and the non-resident routed experts still to decide."""
+    if len(counts) != len(resident):
+        raise ValueError(f"{len(counts)} expert counts but {len(resident)} residency flags")
+    dec: list = [None] * len(counts)
+    free = []
+    for e, (n, r) in enumerate(zip(counts, resident)):
+        if n < 0:
+            raise ValueError(f"negative token count {n} for expert {e}")
+        if n > 0:
+            if r:
+                dec[e] = GPU
+            else:
+                free.append(e)
+    return dec, free
+
+
+def plan_all(kind: str) -> Callable:
+    def planner(counts, resident, lm) -> LayerPlan:
+        dec, free = _base(counts, resident)
+        for e in free:
+            dec[e] = kind
+        return _plan(counts, dec, lm)
+    return planner
+
+
+def plan_paper(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerPlan:
+    dec, free = _base(counts, resident)
+    for e in free:
+        dec[e] = COPY if lm.transfer() + lm.gpu(counts[e]) < lm.cpu(counts[e]) else CPU
+    return _plan(counts, dec, lm)
+
+
+def _exact(free, p, q, cpu0, gpu0) -> list[bool]:
+    """Minimise max(cpu0 + sum p over CPU, gpu0 + sum q over GPU) over all splits; ties -> less total work.
+    Gray code: consecutive subsets differ by one expert, so each step is O(1)."""
+    n = len(free)
+    on_gpu = [False] * n
+    cpu, gpu = cpu0 + sum(p), gpu0
+    best_key, best_mask = (max(cpu, gpu), cpu + gpu), 0
+    mask = 0
+    for i in range(1, 1 << n):
+        j = (i & -i).bit_length() - 1  # the bit that flips between gray(i-1) and gray(i)
+        mask ^= 1 << j
+        if on_gpu[j]:
+            cpu, gpu = cpu + p[j], gpu - q[j]
+        else:
+            cpu, gpu = cpu - p[j], gpu + q[j]
+        on_gpu[j] = not on_gpu[j]
+        key = (max(cpu, gpu), cpu + gpu)
+        if key < best_key:
+            best_key, best_mask = key, mask
+    return [bool(best_mask >> j & 1) for j in range(n)]
+
+
+def _greedy(free, p, q, cpu0, gpu0) -> list[bool]:
+    """Best prefix of the experts ordered by CPU cost per unit of GPU cost (most worth moving first),
+    then single-expert moves while they lower the makespan."""
+    order = sorted(range(len(free)), key=lambda j: -p[j] / q[j] if q[j] > 0 else float("-inf"))
+    best, best_on = None, None
+    for k in range(len(order) + 1):
+        on = [False] * len(free)
+        for j in order[:k]:
+            on[j] = True
+        cpu = cpu0 + sum(p[j] for j in range(len(free)) if not on[j])
+        gpu = gpu0 + sum(q[j] for j in range(len(free)) if on[j])
+        if best is None or max(cpu, gpu) < best:
+            best, best_on = max(cpu, gpu), on
+    improved = True
+    while improved:
+        improved = False
+        cpu = cpu0 + sum(p[j] for j in range(len(free)) if not best_on[j])
+        gpu = gpu0 + sum(q[j] for j in range(len(free)) if best_on[j])
+        for j in range(len(free)):
+            c2, g2 = (cpu + p[j], gpu - q[j]) if best_on[j] else (cpu - p[j], gpu + q[j])
+            if max(c2, g2) < max(cpu, gpu) * (1 - 1e-12):
+                best_on[j] = not best_on[j]
+                improved = True
+                break
+    return best_on
+
+
+def plan_makespan(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerPlan:
+    dec, free = _base(counts, resident)
+    if not free:
+        return _plan(counts, dec, lm)
+    gpu0 = sum(lm.gpu(counts[e]) for e in range(len(counts)) if dec[e] == GPU)
+    p = [lm.cpu(counts[e]) for e in free]
+    q = [lm.transfer() + lm.gpu(counts[e]) for e in free]
+    search = _exact if len(free) <= EXACT_LIMIT else _greedy
+    on_gpu = search(free, p, q, 0.0, gpu0)
+    for e, g in zip(free, on_gpu):
+        dec[e] = COPY if g else CPU
+    # Recompute exactly and keep the baselines as candidates, so floating-point drift in the search can
+    # never make the answer worse than them.
+    candidates = [_plan(counts, dec, lm), plan_all(CPU)(counts, resident, lm),
+                  plan_all(COPY)(counts, resident, lm), plan_paper(counts, resident, lm)]
+    return min(candidates, key=lambda pl: (pl.makespan, pl.cpu_time + pl.gpu_time))
+
+
+PLANNERS: dict[str, Callable[..., LayerPlan]] = {
+    "paper": plan_paper,
+    "makespan": plan_makespan,
+    "cpu": plan_all(CPU),
+    "gpu": plan_all(COPY),
+}
+
+
+def get_planner(name: str) -> Callable[..., LayerPlan]:
+    try:
+        return PLANNERS[name]
+    except KeyError:
+        raise ValueError(f"unknown planner {name!r}; choose one of {sorted(PLANNERS)}") from None

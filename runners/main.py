@@ -1,0 +1,191 @@
+"""One Hydra job: validate the config, resolve the model, measure every workload point, write
+records and the table. `run.py` calls :func:`run_job`; tests call it through Hydra's compose API.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runners import records, tables
+from runners.schema import Config, ConfigError, Isolation, Mode, validate
+from runners.session import Job, Session, base_record
+from runners.workloads import expand
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM during a job (a BaseException so that measurement code cannot swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_raise():
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def resolve_model_path(conf: Config) -> str:
+    model = conf.model
+    if model.path:
+        path = Path(model.path).expanduser()
+        if not (path / "config.json").is_file():
+            what = "does not exist" if not path.exists() else "has no config.json (not a Hugging Face checkpoint)"
+            raise ConfigError(f"model.path={model.path!r} {what}")
+        return str(path)
+    if not model.synthetic:
+        raise ConfigError(f"model={model.name} needs model.path=<local Hugging Face checkpoint> to execute "
+                          f"(or mode=simulate, which needs no weights)")
+    from fiddler.synthetic import ensure_synthetic_model
+
+    return str(ensure_synthetic_model(model.name, dict(model.arch), model.seed,
+                                      Path(conf.cache_dir).expanduser() / "models", dtype=model.dtype.value))
+
+
+def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
+    """Validate (types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
+    conf = validate(cfg)
+    if conf.mode is Mode.simulate:
+        raise ConfigError("mode=simulate is not available yet (the simulator lands with its own issue); "
+                          "use mode=execute")
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return conf, resolved
+
+
+def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """Measure the job's configurations; returns this job's records (also written to disk)."""
+    conf, resolved = prepare(cfg)
+    model_path = resolve_model_path(conf)
+    run_dir = Path(run_dir)
+    index_path = Path(conf.run.index_path).expanduser() if conf.run.index_path else records.default_index_path()
+    store = records.RunRecords(run_dir, index_path)
+
+    points = [p.as_dict() for p in expand(conf.workload)]
+    hashes = [records.config_hash(resolved, p) for p in points]
+    run_id = uuid.uuid4().hex[:12]
+    todo = list(range(len(points)))
+    if conf.run.resume and not conf.run.force:
+        done = records.ok_records_by_hash(index_path)
+        for i in list(todo):
+            if hashes[i] in done:
+                todo.remove(i)
+                store.add({**done[hashes[i]], "resumed_from": done[hashes[i]]["run_id"]}, to_index=False)
+        if len(todo) < len(points):
+            print(f"resume: {len(points) - len(todo)} of {len(points)} configurations already have an ok "
+                  f"record (run.force=true re-runs them)", file=sys.stderr)
+
+    isolation = conf.run.isolation
+    if isolation is Isolation.auto:
+        isolation = Isolation.process if len(todo) > 1 else Isolation.inline
+    job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
+              isolation=isolation.value)
+    progress = _Progress(job, todo, enabled=conf.run.progress)
+    current: list[int | None] = [None]
+    try:
+        with _signals_raise():
+            for record in _measure(job, todo, conf, progress, current):
+                store.add(record)
+                progress.done(record)
+    except Interrupted as exc:
+        if current[0] is not None:
+            store.add(base_record(job, current[0], "interrupted", f"received {exc}"))
+        progress.close()
+        _write_table(store.records, run_dir)
+        print(f"interrupted by {exc}; finished records are in {store.path}", file=sys.stderr)
+        sys.exit(128 + exc.signum)
+    progress.close()
+    _write_table(store.records, run_dir)
+    return store.records
+
+
+def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
+    if job.isolation == "process":
+        from runners.isolation import run_isolated
+
+        def on_event(kind, payload):
+            if kind == "start":
+                current[0] = payload
+                progress.start(payload)
+            elif kind == "progress":
+                progress.note(payload)
+        for record in run_isolated(job, todo, timeout_s=conf.run.timeout_s,
+                                   memory_limit_gb=conf.run.memory_limit_gb, on_event=on_event):
+            current[0] = None
+            yield record
+        return
+    session = Session(job, on_progress=progress.note)
+    progress.note("loading system")
+    session.load()
+    try:
+        for index in todo:
+            current[0] = index
+            progress.start(index)
+            record = session.measure(index)
+            current[0] = None
+            yield record
+    finally:
+        session.close()
+
+
+def _write_table(recs: list[dict[str, Any]], run_dir: Path) -> None:
+    if not recs:
+        return
+    table = tables.build(recs)
+    tables.save(table, run_dir)
+    print(tables.to_markdown(table))
+
+
+class _Progress:
+    """A tqdm bar over configurations (stderr), with the current phase as postfix."""
+
+    def __init__(self, job: Job, todo: list[int], enabled: bool):
+        self.job = job
+        self.bar = None
+        if enabled and todo:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(todo), desc=f"{job.system['name']}/{job.config['workload']['name']}",
+                            unit="cfg", file=sys.stderr, dynamic_ncols=True)
+
+    def start(self, index: int) -> None:
+        if self.bar:
+            p = self.job.points[index]
+            self.bar.set_postfix_str(f"in={p['input_len']} out={p['output_len']} beam={p['beam_width']}")
+
+    def note(self, msg: str) -> None:
+        if self.bar:
+            self.bar.set_postfix_str(msg)
+
+    def done(self, record: dict[str, Any]) -> None:
+        if self.bar:
+            self.bar.update(1)
+            if record["status"] != "ok":
+                self.bar.write(f"{record['status']}: {record['point']} {record.get('reason')}")
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+            self.bar = None
+
+
+def failures(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in recs if r["status"] not in ("ok", "skipped")]
+
+
+def dump_config(cfg: DictConfig) -> str:
+    return json.dumps(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), indent=2, default=str)

@@ -1,0 +1,176 @@
+"""Measuring configurations of one job in the current process: load the system once, then for each
+workload point warm up, repeat, and turn the samples (or the failure) into a record.
+
+Used directly for `run.isolation=inline` and inside the child process for `run.isolation=process`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from baselines.base import GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemUnavailable
+from runners import measure, records
+from runners.workloads import Point, prompt_for
+
+
+@dataclass
+class Job:
+    """Everything a (possibly separate) process needs to measure a job's points; plain data."""
+
+    config: dict[str, Any]  # resolved config (enums as strings)
+    model_path: str
+    run_id: str
+    points: list[dict[str, int]]
+    hashes: list[str]
+    isolation: str
+
+    @property
+    def system(self) -> dict[str, Any]:
+        return self.config["system"]
+
+
+def load_adapter_class(spec: str) -> type[SystemAdapter]:
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise SystemUnavailable(f"cannot import adapter module {module_name} ({exc})") from exc
+    return getattr(module, class_name)
+
+
+def make_adapter(job: Job) -> SystemAdapter:
+    cfg = job.config
+    env = cfg["environment"]
+    options = {k: v for k, v in job.system.items() if k not in ("name", "adapter")}
+    import torch
+
+    ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
+                     has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cfg["cache_dir"])),
+                     environment=env)
+    model = ModelSpec(name=cfg["model"]["name"], path=job.model_path, dtype=cfg["model"]["dtype"])
+    return load_adapter_class(job.system["adapter"])(options, model, ctx)
+
+
+def classify_failure(exc: BaseException) -> str:
+    """`oom` for allocation failures (incl. the OS memory limit), `error` otherwise."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if isinstance(exc, MemoryError) or "out of memory" in text or "can't allocate memory" in text \
+            or "cannot allocate memory" in text:
+        return "oom"
+    return "error"
+
+
+def one_line(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[str, Any]:
+    cfg = job.config
+    env = cfg["environment"]
+    point = job.points[index]
+    budget_emulated = False
+    try:
+        from fiddler.hardware import cuda_device
+
+        gpu = cuda_device()
+        budget_emulated = bool(gpu) and float(env["gpu"]["memory_gb"]) < gpu["memory_gb"] - 0.5
+    except Exception:
+        pass
+    from fiddler.hardware import host_facts
+
+    return {
+        "schema_version": records.SCHEMA_VERSION,
+        "run_id": job.run_id,
+        "time": records.now_iso(),
+        "status": status,
+        "reason": reason,
+        "system": job.system["name"],
+        "workload": cfg["workload"]["name"],
+        "environment": env["name"],
+        "model": cfg["model"]["name"],
+        "mode": cfg["mode"],
+        "point": point,
+        "config_hash": job.hashes[index],
+        "config": cfg,
+        "code": records.code_version(),
+        "host": host_facts(),
+        "versions": records.library_versions(),
+        "environment_info": {"described": bool(env.get("described")), "budget_emulated": budget_emulated,
+                             "simulated": cfg["mode"] == "simulate"},
+        "method": {"timer": "time.perf_counter", "sync": "adapter.synchronize() before each reading",
+                   "warmup": cfg["workload"]["warmup"], "repetitions": cfg["workload"]["repetitions"],
+                   "isolation": job.isolation},
+        "seeds": {"workload": cfg["workload"]["seed"], "model": cfg["model"]["seed"]},
+    }
+
+
+class Session:
+    """Loads the job's system once and measures points on demand."""
+
+    def __init__(self, job: Job, on_progress: Callable[[str], None] | None = None):
+        self.job = job
+        self.adapter: SystemAdapter | None = None
+        self.unavailable: str | None = None
+        self.failed: tuple[str, str] | None = None  # (status, reason) when loading failed
+        self.on_progress = on_progress or (lambda msg: None)
+        self._vocab = json.loads((Path(job.model_path) / "config.json").read_text())["vocab_size"]
+
+    def load(self) -> None:
+        try:
+            self.adapter = make_adapter(self.job)
+            self.adapter.load()
+        except SystemUnavailable as exc:
+            self.unavailable = str(exc)
+        except Exception as exc:  # every configuration of the job then records the load failure
+            self.failed = (classify_failure(exc), f"loading {self.job.system['name']} failed: {one_line(exc)}")
+
+    def measure(self, index: int) -> dict[str, Any]:
+        job = self.job
+        if self.unavailable is not None:
+            return base_record(job, index, "skipped", self.unavailable)
+        if self.failed is not None:
+            return base_record(job, index, *self.failed)
+        assert self.adapter is not None
+        wl = job.config["workload"]
+        point = Point(**job.points[index])
+        rec = base_record(job, index, "ok", None)
+        try:
+            ids = prompt_for(_Workload(wl), point, self._vocab, job.model_path)
+            request = GenerationRequest(input_ids=ids, max_new_tokens=point.output_len,
+                                        beam_width=point.beam_width, seed=int(wl["seed"]))
+            for i in range(int(wl["warmup"])):
+                self.on_progress(f"warmup {i + 1}/{wl['warmup']}")
+                measure.time_once(self.adapter, request)
+            samples = []
+            for i in range(int(wl["repetitions"])):
+                self.on_progress(f"rep {i + 1}/{wl['repetitions']}")
+                samples.append(measure.time_once(self.adapter, request))
+        except SystemUnavailable as exc:
+            rec.update(status="skipped", reason=str(exc))
+            return rec
+        except Exception as exc:  # any failure after the configuration started is an error record
+            rec.update(status=classify_failure(exc), reason=one_line(exc),
+                       traceback=traceback.format_exc(limit=8))
+            return rec
+        rec["method"]["token_accounting"] = getattr(self.adapter, "token_accounting", "returned_sequence")
+        rec["metrics"] = measure.metrics_of(samples, point.input_len, point.output_len, int(wl["repetitions"]))
+        rec["raw"] = measure.raw_of(samples)
+        rec["stats"] = samples[-1].stats
+        rec["system_info"] = self.adapter.info()
+        return rec
+
+    def close(self) -> None:
+        if self.adapter is not None:
+            self.adapter.close()
+
+
+class _Workload:
+    """Attribute view of the workload dict for runners.workloads."""
+
+    def __init__(self, d: dict[str, Any]):
+        self.__dict__.update(d)

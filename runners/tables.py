@@ -1,0 +1,73 @@
+"""Tables from records (pandas): one row per system x model x workload point, llama-bench style
+mean +- sd, plus status and reason for rows that did not run. Never built by hand.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from runners.records import atomic_write_text
+
+KEYS = ["system", "model", "workload", "environment", "mode", "input", "output", "beam"]
+METRICS = [("ttft_s", "TTFT s", 3), ("prefill_tok_s", "prefill tok/s", 1),
+           ("decode_tok_s", "decode tok/s", 2), ("e2e_tok_s", "e2e tok/s", 2)]
+
+
+def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """Flat numeric frame: one row per record, metric means, sds and bests as columns."""
+    rows = []
+    for r in recs:
+        p = r.get("point", {})
+        row = {"system": r.get("system"), "model": r.get("model"), "workload": r.get("workload"),
+               "environment": r.get("environment"), "mode": r.get("mode"), "input": p.get("input_len"),
+               "output": p.get("output_len"), "beam": p.get("beam_width"), "status": r.get("status"),
+               "reason": r.get("reason"), "time": r.get("time"), "run_id": r.get("run_id")}
+        m = r.get("metrics") or {}
+        for key, _, _ in METRICS:
+            row[key] = m.get(key)
+            row[f"{key}_sd"] = m.get(f"{key}_sd")
+            row[f"{key}_best"] = (m.get("best") or {}).get(key)
+        row["reps"] = m.get("repetitions")
+        row["valid"] = m.get("valid")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def build(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """The latest record per configuration, sorted for reading."""
+    df = frame(recs)
+    if df.empty:
+        return df
+    df = df.sort_values("time", kind="stable").drop_duplicates(KEYS, keep="last")
+    return df.sort_values(["model", "workload", "environment", "input", "output", "beam", "system"],
+                          kind="stable").reset_index(drop=True)
+
+
+def _fmt(mean, sd, digits: int) -> str:
+    if mean is None or pd.isna(mean):
+        return ""
+    return f"{mean:.{digits}f} ± {0.0 if sd is None or pd.isna(sd) else sd:.{digits}f}"
+
+
+def display(df: pd.DataFrame) -> pd.DataFrame:
+    out = df[KEYS + ["status"]].copy()
+    for key, title, digits in METRICS:
+        out[title] = [_fmt(m, s, digits) for m, s in zip(df[key], df[f"{key}_sd"])]
+    out["reps"] = df["reps"]
+    out["valid"] = df["valid"]
+    out["reason"] = [("" if r is None or pd.isna(r) else str(r)[:80]) for r in df["reason"]]
+    return out
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "(no records)"
+    return display(df).to_markdown(index=False)
+
+
+def save(df: pd.DataFrame, directory: Path) -> None:
+    directory = Path(directory)
+    atomic_write_text(directory / "table.md", to_markdown(df) + "\n")
+    atomic_write_text(directory / "table.csv", df.to_csv(index=False))

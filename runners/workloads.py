@@ -1,0 +1,63 @@
+"""Workloads: the product of their lists, and the prompts every system receives.
+
+Prompts are token ids, generated once per (seed, input length) so that every system sees exactly
+the same ids; systems never re-tokenise.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration of a workload."""
+
+    input_len: int
+    output_len: int
+    beam_width: int
+
+    def key(self) -> str:
+        return f"in{self.input_len}_out{self.output_len}_beam{self.beam_width}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def expand(workload) -> list[Point]:
+    """Every combination of input length x output length x beam width, in list order."""
+    return [Point(i, o, b) for i, o, b in
+            itertools.product(workload.input_lens, workload.output_lens, workload.beam_widths)]
+
+
+# Ids below this are reserved for special tokens (<unk>, <s>, </s>) in the SentencePiece vocab.
+_FIRST_ORDINARY_ID = 3
+
+
+def synthetic_prompt(seed: int, input_len: int, vocab_size: int) -> list[int]:
+    """Seeded uniform token ids, starting with BOS (id 1) like a tokenised prompt."""
+    rng = np.random.default_rng([seed, input_len])
+    body = rng.integers(_FIRST_ORDINARY_ID, vocab_size, size=input_len - 1).tolist()
+    return [1] + body
+
+
+def file_prompt(path: str, input_len: int, model_path: str) -> list[int]:
+    """The text file's token ids (by the model's own tokenizer), repeated to `input_len`."""
+    text_path = Path(path)
+    if not text_path.is_file():
+        raise FileNotFoundError(f"workload.prompt_file does not exist: {path}")
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_path).encode(text_path.read_text())
+    if not ids:
+        raise ValueError(f"workload.prompt_file {path} has no tokens")
+    return (ids * (input_len // len(ids) + 1))[:input_len]
+
+
+def prompt_for(workload, point: Point, vocab_size: int, model_path: str) -> list[int]:
+    if workload.prompt_file:
+        return file_prompt(workload.prompt_file, point.input_len, model_path)
+    return synthetic_prompt(workload.seed, point.input_len, vocab_size)

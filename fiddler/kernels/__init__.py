@@ -1,0 +1,270 @@
+"""CPU kernels for Fiddler's CPU expert path: a fused expert FFN y = W2 (silu(W1 x) * (W3 x)) and a
+plain linear layer on bf16 weights with fp32 accumulation (C++, see csrc/).
+
+Weights are packed once (`PackedExpert`, `PackedLinear`) into a layout that streams contiguously;
+every call reads each weight byte once whatever the token count. The instruction set is chosen at run
+time from the CPU: AVX512-BF16 (plus AMX tiles for many tokens where the CPU has AMX), else AVX2/FMA,
+else portable C++. `FIDDLER_KERNEL_ISA` (auto, amx, avx512_bf16, avx2, generic) or `set_isa()` forces
+a path. Calls release the GIL.
+"""
+from __future__ import annotations
+
+import os
+from ctypes import c_void_p
+
+import torch
+
+from . import _lib
+
+__all__ = [
+    "PackedExpert", "PackedLinear", "expert_ffn", "isa", "set_isa", "features", "set_num_threads",
+    "get_num_threads", "bandwidth_probe", "is_available", "load_error",
+]
+
+_ISA_CODES = {"generic": 0, "avx2": 1, "avx512_bf16": 2}
+_ISA_NAMES = {v: k for k, v in _ISA_CODES.items()}
+_AMX_OFF, _AMX_HW, _AMX_EMULATED = 0, 1, 2
+
+
+def is_available() -> bool:
+    """Whether the compiled library loaded (it is built by `pip install -e .`)."""
+    return _lib.lib is not None
+
+
+def load_error() -> str | None:
+    """Why the library is not available, or None."""
+    return _lib.load_error
+
+
+def _L():
+    if _lib.lib is None:
+        raise RuntimeError(f"fiddler.kernels unavailable: {_lib.load_error}")
+    return _lib.lib
+
+
+# ------------------------------------------------------------------ ISA selection and threads
+def set_isa(name: str | None = None) -> str:
+    """Selects the kernel path: None/"auto" (best for this CPU), "amx" (AVX512-BF16 with AMX tiles for
+    >= 16 tokens; error without AMX), "avx512_bf16" (no AMX), "avx2", "generic". Returns `isa()`."""
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        rc = _L().fk_configure(-1, -1, 0)
+    elif name == "amx":
+        rc = _L().fk_configure(_ISA_CODES["avx512_bf16"], _AMX_HW, 0)
+    elif name in _ISA_CODES:
+        rc = _L().fk_configure(_ISA_CODES[name], _AMX_OFF, 0)
+    else:
+        raise ValueError(f"unknown kernel ISA {name!r}; choose one of auto, amx, avx512_bf16, avx2, generic")
+    if rc != 0:
+        raise ValueError(f"cannot select kernel ISA {name!r}: {_L().fk_last_error().decode()}")
+    return isa()
+
+
+def _set_amx(mode: str, min_tokens: int | None = None) -> None:
+    """Testing hook: AMX tiles "off", "on" (hardware) or "emulated" (software tiles, any CPU), used
+    from `min_tokens` tokens up. Keeps the current vector path."""
+    code = {"off": _AMX_OFF, "on": _AMX_HW, "emulated": _AMX_EMULATED}[mode]
+    _lib.check(_L().fk_configure(_L().fk_isa(), code, int(min_tokens or 0)))
+
+
+def isa() -> str:
+    """The active vector path: "avx512_bf16", "avx2" or "generic" (AMX use: see `features()`)."""
+    return _ISA_NAMES[_L().fk_isa()]
+
+
+def features() -> dict:
+    """CPU features seen by the library and which kernel paths are compiled and active."""
+    L = _L()
+    out = {L.fk_feature_name(i).decode(): bool(L.fk_feature(i)) for i in range(L.fk_num_features())}
+    x86 = bool(L.fk_compiled_x86())
+    amx = L.fk_amx_mode()
+    out.update(
+        compiled=["generic", "avx2", "avx512_bf16", "amx"] if x86 else ["generic"],
+        best_isa=_ISA_NAMES[L.fk_best_isa()],
+        isa=isa(),
+        amx_supported=bool(L.fk_amx_supported()),
+        amx_active=amx == _AMX_HW,
+        amx_emulated=amx == _AMX_EMULATED,
+        amx_min_tokens=L.fk_amx_min_tokens(),
+    )
+    return out
+
+
+def set_num_threads(n: int) -> None:
+    """Default thread count of every kernel call (a call's `threads=` overrides it)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"thread count must be a positive int, got {n!r}")
+    _L().fk_set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Default thread count: set_num_threads' value, else the CPUs this process may run on."""
+    return _L().fk_get_num_threads()
+
+
+def _threads(threads) -> int:
+    if threads is None:
+        return 0
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be None or a positive int, got {threads!r}")
+    return threads
+
+
+# ------------------------------------------------------------------ bandwidth probe
+def _llc_bytes() -> int:
+    try:
+        txt = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1], 1)
+        return int(txt.rstrip("KMG")) * mult
+    except (OSError, ValueError):
+        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0) if hasattr(os, "sysconf") else 0
+
+
+def bandwidth_probe(nbytes: int | None = None, threads: int | None = None, repeats: int = 5) -> float:
+    """Best-of-`repeats` GB/s of a multithreaded streaming read over `nbytes` (default: 4x the
+    last-level cache, between 256 MiB and 1 GiB), with the widest vector loads the CPU has."""
+    if nbytes is None:
+        nbytes = min(max(4 * _llc_bytes(), 256 << 20), 1 << 30)
+    if nbytes < (1 << 20) or repeats < 1:
+        raise ValueError("bandwidth_probe needs nbytes >= 1 MiB and repeats >= 1")
+    gbps = _L().fk_bandwidth_probe(int(nbytes), _threads(threads), int(repeats))
+    if gbps < 0:
+        _lib.check(-1)
+    return gbps
+
+
+# ------------------------------------------------------------------ packed weights
+def _check_tensor(name: str, t, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be torch.bfloat16, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+
+
+def _pack(ws: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """Packs equally shaped [n, k] matrices into one 64-byte-aligned uint8 buffer."""
+    if n < 1 or k < 1:
+        raise ValueError(f"weights must not be empty, got shape ({n}, {k})")
+    L = _L()
+    nbytes = L.fk_packed_bytes(n, k, len(ws))
+    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 64
+    buf = raw[off : off + nbytes]
+    L.fk_advise_hugepages(buf.data_ptr(), nbytes)
+    ptrs = (c_void_p * len(ws))(*[w.data_ptr() for w in ws])
+    _lib.check(L.fk_pack(ptrs, len(ws), n, k, buf.data_ptr(), 0))
+    return buf
+
+
+def _check_x(x, k: int, what: str) -> int:
+    _check_tensor("x", x, 2)
+    if x.shape[1] != k:
+        raise ValueError(f"x must be [tokens, {k}] for this {what}, got {tuple(x.shape)}")
+    return x.shape[0]
+
+
+def _check_out(out, shape: tuple, dtype: torch.dtype) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype or out.device.type != "cpu" or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous CPU {dtype} tensor of shape {shape}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+        )
+
+
+class PackedExpert:
+    """One MoE expert (SwiGLU FFN) packed for the CPU kernel. w1 (gate), w3 (up): [ffn, hidden];
+    w2 (down): [hidden, ffn]; bf16 as stored by Hugging Face."""
+
+    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+        for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+            _check_tensor(name, w, 2)
+        ffn, hidden = w1.shape
+        if tuple(w3.shape) != (ffn, hidden) or tuple(w2.shape) != (hidden, ffn):
+            raise ValueError(
+                f"expert shapes disagree: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)} must be [ffn, hidden] "
+                f"and w2 {tuple(w2.shape)} must be [hidden, ffn]"
+            )
+        self.hidden, self.ffn = int(hidden), int(ffn)
+        self._w13 = _pack([w1, w3], ffn, hidden)
+        self._w2 = _pack([w2], hidden, ffn)
+        self.nbytes = self._w13.numel() + self._w2.numel()
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+        tokens = _check_x(x, self.hidden, "expert")
+        nthreads = _threads(threads)
+        if out is None:
+            out = torch.empty(tokens, self.hidden, dtype=torch.bfloat16)
+        else:
+            _check_out(out, (tokens, self.hidden), torch.bfloat16)
+        if tokens:
+            _lib.check(
+                _L().fk_expert_ffn(
+                    self._w13.data_ptr(), self._w2.data_ptr(), self.hidden, self.ffn,
+                    x.data_ptr(), tokens, out.data_ptr(), nthreads,
+                )
+            )
+        return out
+
+    __call__ = forward
+
+
+class PackedLinear:
+    """y = x @ w.T (+ bias) for w [out_features, in_features] bf16 (nn.Linear layout)."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None):
+        _check_tensor("w", w, 2)
+        self.out_features, self.in_features = (int(s) for s in w.shape)
+        self.bias = None
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                raise TypeError("bias must be a floating-point torch.Tensor")
+            if tuple(bias.shape) != (self.out_features,) or bias.device.type != "cpu":
+                raise ValueError(f"bias must be a CPU tensor of shape ({self.out_features},), got {tuple(bias.shape)}")
+            self.bias = bias.to(torch.float32).contiguous()
+        self._w = _pack([w], self.out_features, self.in_features)
+        self.nbytes = self._w.numel()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None = None,
+        threads: int | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+        tokens = _check_x(x, self.in_features, "linear")
+        nthreads = _threads(threads)
+        if out is None:
+            out = torch.empty(tokens, self.out_features, dtype=out_dtype)
+        else:
+            _check_out(out, (tokens, self.out_features), out_dtype)
+        if tokens:
+            _lib.check(
+                _L().fk_linear(
+                    self._w.data_ptr(), self.out_features, self.in_features, x.data_ptr(), tokens,
+                    self.bias.data_ptr() if self.bias is not None else None, out.data_ptr(),
+                    int(out_dtype == torch.float32), nthreads,
+                )
+            )
+        return out
+
+    __call__ = forward
+
+
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """y = W2 (silu(W1 x) * (W3 x)) for x [tokens, hidden] bf16. Packs the weights on every call;
+    the engine's hot path keeps a `PackedExpert` instead."""
+    return PackedExpert(w1, w3, w2).forward(x, threads=threads)
+
+
+if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_ISA"):
+    set_isa(os.environ["FIDDLER_KERNEL_ISA"])

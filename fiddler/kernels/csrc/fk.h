@@ -1,0 +1,69 @@
+// Shared declarations of the Fiddler CPU kernel library.
+//
+// Packed weight layout (one layout for every ISA path, so an expert is packed once):
+// a matrix W[N][K] (Hugging Face nn.Linear layout, bf16) is cut into blocks of kBlockN = 64 rows;
+// inside a block, for each pair of columns kp (k = 2kp, 2kp+1) the 64 rows store their two values
+// next to each other:  block[kp][n][e] = W[nb*64 + n][2*kp + e], zero outside the matrix.
+// So a block is one contiguous stream, a 64-byte piece of a kp row is exactly the operand of
+// vdpbf16ps (16 rows x one column pair), and 16 kp rows x 64 bytes is an AMX B tile (stride 256).
+// `groups` matrices with the same shape (W1 and W3 of an expert) are interleaved block by block:
+// packed[nb][g] so that the fused gate/up pass reads a single stream.
+// K is padded to a multiple of kAlignK (the AMX tile depth), N to a multiple of kBlockN.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace fk {
+
+constexpr int kBlockN = 64;        // rows per packed block
+constexpr int kAlignK = 32;        // K padding (one AMX tile = 32 bf16 of depth)
+constexpr int64_t kChunkK = 2048;  // K chunk: a 64 x 2048 bf16 weight piece (256 KiB) stays in L2
+                                   // while it is reused by every token group
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+inline int64_t block_bytes(int64_t k_pad) { return k_pad * kBlockN * 2; }  // one packed block
+
+// Scalar bf16 helpers (round to nearest even, NaN kept quiet), usable by every path.
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// One ISA path. The driver (fk_api.cpp) does blocking, threading and padding; a path supplies:
+struct IsaOps {
+  const char* name;
+  int mr;  // tokens per micro-kernel call (the AMX path needs multiples of 16 with padded rows)
+  // acc[m][64] (+)= sum_{kp < kpairs} w[kp][n][0..1] . x[m][2kp..2kp+1]   for m < mr_used
+  // w: packed block, already offset to the first kp; x row stride ldx elements; acc row stride 64.
+  void (*mk)(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
+             float* acc, bool accumulate);
+  // h[i] = bf16(silu(a[i]) * b[i]) for i < n
+  void (*silu_mul)(const float* a, const float* b, int64_t n, uint16_t* h);
+  // y[i] = acc[i] (+ bias[i]) as bf16 or fp32, i < n; bias may be null
+  void (*store)(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
+  // reads n bytes (n multiple of 256, p 64-byte aligned) as fast as possible; returns a checksum
+  uint64_t (*read)(const void* p, int64_t n);
+};
+
+extern const IsaOps kGenericOps;
+// the portable pieces, reused by paths that only replace the micro-kernel
+void silu_mul_generic(const float* a, const float* b, int64_t n, uint16_t* h);
+void store_generic(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
+uint64_t read_generic(const void* p, int64_t n);
+#if defined(__x86_64__)
+extern const IsaOps kAvx2Ops;
+extern const IsaOps kAvx512Ops;
+extern const IsaOps kAmxOps;       // real AMX tiles
+#endif
+extern const IsaOps kAmxEmuOps;    // the same AMX driver code on software tiles (tests its logic)
+
+}  // namespace fk

@@ -1,0 +1,494 @@
+// C entry points of the Fiddler CPU kernel library (called through ctypes, which releases the GIL):
+// CPU feature detection and run-time ISA choice, a small thread pool, weight packing, and the
+// blocked drivers for the expert FFN and for a plain linear layer. Compiled for the baseline ISA;
+// the ISA-specific inner loops live in fk_<isa>.cpp and are reached only through IsaOps.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include "fk.h"
+
+#define FK_API extern "C" __attribute__((visibility("default")))
+
+namespace fk {
+namespace {
+
+thread_local std::string g_error;
+int fail(const std::string& msg) {
+  g_error = msg;
+  return -1;
+}
+
+// ---------------------------------------------------------------- CPU features
+enum Feature {
+  kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512vl, kAvx512dq, kAvx512bf16, kAmxTile, kAmxBf16,
+  kOsAvx, kOsAvx512, kOsAmx, kNumFeatures
+};
+const char* const kFeatureNames[kNumFeatures] = {
+    "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile",
+    "amx_bf16", "os_avx", "os_avx512", "os_amx"};
+
+struct Cpu {
+  bool has[kNumFeatures] = {};
+  bool avx2() const { return has[kAvx2] && has[kFma] && has[kOsAvx]; }
+  bool avx512_bf16() const {
+    return has[kAvx512f] && has[kAvx512bw] && has[kAvx512vl] && has[kAvx512dq] &&
+           has[kAvx512bf16] && has[kOsAvx512];
+  }
+  bool amx() const { return avx512_bf16() && has[kAmxTile] && has[kAmxBf16] && has[kOsAmx]; }
+};
+
+Cpu detect_cpu() {
+  Cpu c;
+#if defined(__x86_64__)
+  unsigned a, b, cx, d;
+  if (!__get_cpuid_count(1, 0, &a, &b, &cx, &d)) return c;
+  c.has[kFma] = cx & (1u << 12);
+  const bool osxsave = cx & (1u << 27);
+  uint64_t xcr0 = 0;
+  if (osxsave) {
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (uint64_t(hi) << 32) | lo;
+  }
+  c.has[kOsAvx] = (xcr0 & 0x6) == 0x6;            // SSE + AVX state saved by the OS
+  c.has[kOsAvx512] = (xcr0 & 0xe6) == 0xe6;       // + opmask, ZMM_Hi256, Hi16_ZMM
+  c.has[kOsAmx] = (xcr0 & 0x60000) == 0x60000;    // XTILECFG + XTILEDATA
+  if (__get_cpuid_count(7, 0, &a, &b, &cx, &d)) {
+    c.has[kAvx2] = b & (1u << 5);
+    c.has[kAvx512f] = b & (1u << 16);
+    c.has[kAvx512dq] = b & (1u << 17);
+    c.has[kAvx512bw] = b & (1u << 30);
+    c.has[kAvx512vl] = b & (1u << 31);
+    c.has[kAmxBf16] = d & (1u << 22);
+    c.has[kAmxTile] = d & (1u << 24);
+    const unsigned max_sub = a;
+    if (max_sub >= 1 && __get_cpuid_count(7, 1, &a, &b, &cx, &d)) c.has[kAvx512bf16] = a & (1u << 5);
+  }
+#endif
+  return c;
+}
+
+const Cpu& cpu() {
+  static const Cpu c = detect_cpu();
+  return c;
+}
+
+// Linux refuses AMX tile data (SIGILL on first use) until the process asks for it.
+bool request_amx_permission() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------- configuration
+enum Isa { kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+enum AmxMode { kAmxOff = 0, kAmxHw = 1, kAmxEmulated = 2 };
+
+std::atomic<int> g_isa{-1};            // -1: not configured yet (auto on first use)
+std::atomic<int> g_amx{kAmxOff};
+std::atomic<int> g_amx_min_tokens{16}; // below this the vector path is memory-bound anyway
+std::atomic<int> g_threads{0};         // 0: all CPUs this process may run on
+
+int best_isa() {
+#if defined(__x86_64__)
+  if (cpu().avx512_bf16()) return kIsaAvx512;
+  if (cpu().avx2()) return kIsaAvx2;
+#endif
+  return kIsaGeneric;
+}
+
+const IsaOps& vector_ops(int isa) {
+#if defined(__x86_64__)
+  if (isa == kIsaAvx512) return kAvx512Ops;
+  if (isa == kIsaAvx2) return kAvx2Ops;
+#endif
+  return kGenericOps;
+}
+
+int configure(int isa, int amx, int amx_min_tokens) {
+  if (isa < 0) isa = best_isa();
+  if (isa > kIsaAvx512) return fail("unknown ISA code " + std::to_string(isa));
+  if (isa == kIsaAvx512 && !(isa <= best_isa()))
+    return fail("this CPU (or OS) does not support AVX512-BF16 (needs avx512f/bw/vl/dq/bf16)");
+  if (isa == kIsaAvx2 && best_isa() < kIsaAvx2) return fail("this CPU (or OS) does not support AVX2+FMA");
+  if (amx < 0) amx = (isa == kIsaAvx512 && cpu().amx() && request_amx_permission()) ? kAmxHw : kAmxOff;
+  if (amx == kAmxHw) {
+    if (isa != kIsaAvx512) return fail("AMX needs the avx512_bf16 path");
+    if (!cpu().amx()) return fail("this CPU (or OS) does not support AMX-BF16");
+    if (!request_amx_permission())
+      return fail("the kernel refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM failed)");
+  }
+  if (amx < kAmxOff || amx > kAmxEmulated) return fail("unknown AMX mode " + std::to_string(amx));
+  g_isa = isa;
+  g_amx = amx;
+  if (amx_min_tokens > 0) g_amx_min_tokens = amx_min_tokens;
+  return 0;
+}
+
+int current_isa() {
+  if (g_isa.load() < 0) configure(-1, -1, 0);
+  return g_isa.load();
+}
+
+int available_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// ---------------------------------------------------------------- thread pool
+// The caller runs share 0 itself; workers spin briefly after a job (back-to-back kernel calls are
+// common) and then sleep on a condition variable. One parallel region at a time (call_mu).
+class Pool {
+ public:
+  template <class F>
+  void run(int n, const F& fn) {
+    if (n <= 1) {
+      fn(0, 1);
+      return;
+    }
+    std::lock_guard<std::mutex> call(call_mu_);
+    grow(n - 1);
+    Job job = [](const void* f, int i, int k) { (*static_cast<const F*>(f))(i, k); };
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      job_ = job;
+      job_arg_ = &fn;
+      job_n_ = n;
+      pending_.store(n - 1, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    fn(0, n);
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin)
+      if (spin > 1000) std::this_thread::yield();
+  }
+
+ private:
+  using Job = void (*)(const void*, int, int);
+
+  void grow(int workers) {
+    if (pid_ != getpid()) {  // forked child: the parent's workers do not exist here
+      for (auto& t : threads_) t.detach();
+      threads_.clear();
+      pid_ = getpid();
+    }
+    while (int(threads_.size()) < workers) {
+      // the worker starts from the current generation, which run() bumps only after grow()
+      const int id = int(threads_.size()) + 1;
+      const uint64_t seen = gen_.load();
+      threads_.emplace_back([this, id, seen] { loop(id, seen); });
+    }
+  }
+
+  void loop(int id, uint64_t seen) {
+    for (;;) {
+      for (int spin = 0; gen_.load(std::memory_order_acquire) == seen && spin < 20000; ++spin) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      Job job;
+      const void* arg;
+      int n;
+      {
+        // generation and job are read together, so a late worker never pairs an old generation
+        // with a newer job (which would run that job's share twice)
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_relaxed) != seen; });
+        seen = gen_.load(std::memory_order_relaxed);
+        job = job_;
+        arg = job_arg_;
+        n = job_n_;
+      }
+      if (id < n) {
+        job(arg, id, n);
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  std::mutex call_mu_, mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0};
+  Job job_ = nullptr;
+  const void* job_arg_ = nullptr;
+  int job_n_ = 0;
+  pid_t pid_ = getpid();
+};
+
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed: workers block forever, so no join at exit
+  return *p;
+}
+
+int thread_count(int requested, int64_t blocks, int64_t work_bytes) {
+  int n = requested > 0 ? requested : (g_threads.load() > 0 ? g_threads.load() : available_cpus());
+  // below ~64 KiB of weights per thread the wake-up costs more than the split saves
+  n = int(std::min<int64_t>({int64_t(n), blocks, std::max<int64_t>(1, work_bytes >> 16)}));
+  return std::max(1, n);
+}
+
+// ---------------------------------------------------------------- scratch buffers
+template <class T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+thread_local std::vector<float> t_acc;      // per thread: [groups][rows][64] fp32 accumulators
+thread_local std::vector<uint16_t> t_x;     // per caller: padded copy of x
+thread_local std::vector<uint16_t> t_h;     // per caller: expert hidden activations
+
+// ---------------------------------------------------------------- blocked driver
+struct Plan {
+  const IsaOps* ops;
+  bool amx;
+  int64_t rows;  // token rows computed (T, or T rounded up to 16 for AMX)
+};
+
+Plan make_plan(int64_t tokens) {
+  Plan p{&vector_ops(current_isa()), false, tokens};
+  const int amx = g_amx.load();
+  if (amx != kAmxOff && tokens >= g_amx_min_tokens.load()) {
+#if defined(__x86_64__)
+    p.ops = amx == kAmxHw ? &kAmxOps : &kAmxEmuOps;
+#else
+    p.ops = &kAmxEmuOps;
+#endif
+    p.amx = true;
+    p.rows = round_up(tokens, 16);
+  }
+  return p;
+}
+
+// x as the micro-kernels need it: K padded to Kp with zeros, rows padded for AMX. Copies only when
+// needed (a Mixtral-shaped call uses the caller's tensor as is).
+const uint16_t* prepare_x(const uint16_t* x, int64_t tokens, int64_t k, int64_t rows, int64_t kp,
+                          int64_t* ldx) {
+  if (k == kp && rows == tokens) {
+    *ldx = k;
+    return x;
+  }
+  uint16_t* buf = scratch(t_x, size_t(rows * kp));
+  std::memset(buf, 0, size_t(rows * kp) * 2);
+  for (int64_t t = 0; t < tokens; ++t) std::memcpy(buf + t * kp, x + t * k, size_t(k) * 2);
+  *ldx = kp;
+  return buf;
+}
+
+// acc[g][rows][64] = x[rows][:] . W_g[block nb]^T for each of the `groups` interleaved matrices.
+void block_product(const Plan& p, const uint8_t* packed, int groups, int64_t k_pad, int64_t nb,
+                   const uint16_t* x, int64_t ldx, float* acc) {
+  const int64_t bb = block_bytes(k_pad);
+  const int mr = p.ops->mr;
+  const int64_t n_groups_t = (p.rows + mr - 1) / mr;
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* blk = packed + (nb * groups + g) * bb;
+    float* ag = acc + g * p.rows * kBlockN;
+    for (int64_t k0 = 0; k0 < k_pad; k0 += kChunkK) {
+      const int64_t kpairs = std::min(kChunkK, k_pad - k0) / 2;
+      const uint16_t* wk = reinterpret_cast<const uint16_t*>(blk + k0 / 2 * kBlockN * 4);
+      // token groups of near-equal size (AMX: 32/16 rows, rows already a multiple of 16)
+      for (int64_t gi = 0, t0 = 0; gi < n_groups_t; ++gi) {
+        int64_t m;
+        if (p.amx) m = std::min<int64_t>(32, p.rows - t0);
+        else m = (p.rows - t0 + (n_groups_t - gi) - 1) / (n_groups_t - gi);
+        p.ops->mk(wk, kpairs, x + t0 * ldx + k0, ldx, int(m), ag + t0 * kBlockN, k0 > 0);
+        t0 += m;
+        if (t0 >= p.rows) break;
+      }
+    }
+  }
+}
+
+template <class Epilogue>
+void run_blocks(const Plan& p, const uint8_t* packed, int groups, int64_t n_blocks,
+                int64_t k_pad, const uint16_t* x, int64_t ldx, int threads,
+                const Epilogue& epi) {
+  pool().run(threads, [&](int tid, int n) {
+    float* acc = scratch(t_acc, size_t(groups * p.rows * kBlockN));
+    const int64_t b0 = n_blocks * tid / n, b1 = n_blocks * (tid + 1) / n;
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      block_product(p, packed, groups, k_pad, nb, x, ldx, acc);
+      epi(nb, acc);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fk
+
+using namespace fk;
+
+// ---------------------------------------------------------------- C API
+FK_API const char* fk_last_error() { return g_error.c_str(); }
+
+FK_API int fk_configure(int isa, int amx, int amx_min_tokens) { return configure(isa, amx, amx_min_tokens); }
+FK_API int fk_isa() { return current_isa(); }
+FK_API int fk_amx_mode() {
+  current_isa();
+  return g_amx.load();
+}
+FK_API int fk_amx_min_tokens() { return g_amx_min_tokens.load(); }
+
+// Feature i (0 <= i < fk_num_features()): name and whether this CPU/OS has it.
+FK_API int fk_num_features() { return kNumFeatures; }
+FK_API const char* fk_feature_name(int i) { return i >= 0 && i < kNumFeatures ? kFeatureNames[i] : ""; }
+FK_API int fk_feature(int i) { return i >= 0 && i < kNumFeatures ? cpu().has[i] : 0; }
+FK_API int fk_best_isa() { return best_isa(); }
+FK_API int fk_amx_supported() { return cpu().amx(); }
+FK_API int fk_compiled_x86() {
+#if defined(__x86_64__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+FK_API void fk_set_num_threads(int n) { g_threads = n > 0 ? n : 0; }
+FK_API int fk_get_num_threads() { return g_threads.load() > 0 ? g_threads.load() : available_cpus(); }
+
+FK_API int64_t fk_packed_bytes(int64_t n, int64_t k, int groups) {
+  if (n <= 0 || k <= 0 || groups <= 0) return -1;
+  return round_up(n, kBlockN) / kBlockN * groups * block_bytes(round_up(k, kAlignK));
+}
+
+// Best-effort: back a large buffer (before it is first written) with transparent huge pages,
+// which removes most TLB misses from a weight stream of hundreds of MB.
+FK_API void fk_advise_hugepages(void* p, int64_t nbytes) {
+#if defined(MADV_HUGEPAGE)
+  const uintptr_t huge = 2u << 20, a = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + uintptr_t(nbytes)) & ~(huge - 1);
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)nbytes;
+#endif
+}
+
+// Packs `groups` row-major bf16 matrices ws[g][n][k] into dst (fk_packed_bytes bytes, 64-byte aligned).
+FK_API int fk_pack(const uint16_t* const* ws, int groups, int64_t n, int64_t k, void* dst, int threads) {
+  const int64_t bytes = fk_packed_bytes(n, k, groups);
+  if (bytes < 0 || !dst || !ws) return fail("fk_pack: bad arguments");
+  if (reinterpret_cast<uintptr_t>(dst) % 64) return fail("fk_pack: destination is not 64-byte aligned");
+  const int64_t k_pad = round_up(k, kAlignK), n_blocks = round_up(n, kBlockN) / kBlockN;
+  const int64_t bb = block_bytes(k_pad);
+  const int nt = thread_count(threads, n_blocks, bytes);
+  pool().run(nt, [&](int tid, int nth) {
+    for (int64_t nb = n_blocks * tid / nth; nb < n_blocks * (tid + 1) / nth; ++nb)
+      for (int g = 0; g < groups; ++g) {
+        uint16_t* blk = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(dst) + (nb * groups + g) * bb);
+        std::memset(blk, 0, size_t(bb));
+        for (int r = 0; r < kBlockN; ++r) {
+          const int64_t row = nb * kBlockN + r;
+          if (row >= n) break;
+          const uint16_t* src = ws[g] + row * k;
+          uint16_t* d = blk + 2 * r;
+          int64_t c = 0;
+          for (; c + 1 < k; c += 2, d += 2 * kBlockN) std::memcpy(d, src + c, 4);  // one column pair
+          if (c < k) *d = src[c];
+        }
+      }
+  });
+  return 0;
+}
+
+// y[tokens][hidden] = W2 (silu(W1 x) * (W3 x)); p13 packs {W1, W3} (groups = 2, [ffn][hidden]),
+// p2 packs W2 ([hidden][ffn]). Inputs/outputs bf16, fp32 accumulation, h rounded to bf16 once.
+FK_API int fk_expert_ffn(const void* p13, const void* p2, int64_t hidden, int64_t ffn,
+                         const uint16_t* x, int64_t tokens, uint16_t* y, int threads) {
+  if (!p13 || !p2 || !x || !y || hidden <= 0 || ffn <= 0 || tokens <= 0)
+    return fail("fk_expert_ffn: bad arguments");
+  const Plan p = make_plan(tokens);
+  const int64_t kp_h = round_up(hidden, kAlignK), kp_f = round_up(ffn, kAlignK);
+  const int64_t nb_f = round_up(ffn, kBlockN) / kBlockN, nb_h = round_up(hidden, kBlockN) / kBlockN;
+  const int64_t ldh = nb_f * kBlockN;  // >= kp_f; padded columns come out as silu(0) * 0 = 0
+  int64_t ldx;
+  const uint16_t* xp = prepare_x(x, tokens, hidden, p.rows, kp_h, &ldx);
+  uint16_t* h = scratch(t_h, size_t(p.rows * ldh));
+  const auto* w13 = static_cast<const uint8_t*>(p13);
+  const auto* w2 = static_cast<const uint8_t*>(p2);
+
+  run_blocks(p, w13, 2, nb_f, kp_h, xp, ldx, thread_count(threads, nb_f, 2 * nb_f * block_bytes(kp_h)),
+             [&](int64_t nb, const float* acc) {
+               const float* a1 = acc;
+               const float* a3 = acc + p.rows * kBlockN;
+               for (int64_t t = 0; t < p.rows; ++t)
+                 p.ops->silu_mul(a1 + t * kBlockN, a3 + t * kBlockN, kBlockN, h + t * ldh + nb * kBlockN);
+             });
+  run_blocks(p, w2, 1, nb_h, kp_f, h, ldh, thread_count(threads, nb_h, nb_h * block_bytes(kp_f)),
+             [&](int64_t nb, const float* acc) {
+               const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
+               for (int64_t t = 0; t < tokens; ++t)
+                 p.ops->store(acc + t * kBlockN, nullptr, n, y + t * hidden + nb * kBlockN, false);
+             });
+  return 0;
+}
+
+// y[tokens][n] = x[tokens][k] . W^T (+ bias), W packed with groups = 1; y bf16 or fp32.
+FK_API int fk_linear(const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
+                     const float* bias, void* y, int out_f32, int threads) {
+  if (!packed || !x || !y || n <= 0 || k <= 0 || tokens <= 0) return fail("fk_linear: bad arguments");
+  const Plan p = make_plan(tokens);
+  const int64_t kp = round_up(k, kAlignK), n_blocks = round_up(n, kBlockN) / kBlockN;
+  const size_t es = out_f32 ? 4 : 2;
+  int64_t ldx;
+  const uint16_t* xp = prepare_x(x, tokens, k, p.rows, kp, &ldx);
+  run_blocks(p, static_cast<const uint8_t*>(packed), 1, n_blocks, kp, xp, ldx,
+             thread_count(threads, n_blocks, n_blocks * block_bytes(kp)),
+             [&](int64_t nb, const float* acc) {
+               const int64_t nv = std::min<int64_t>(kBlockN, n - nb * kBlockN);
+               for (int64_t t = 0; t < tokens; ++t)
+                 p.ops->store(acc + t * kBlockN, bias ? bias + nb * kBlockN : nullptr, nv,
+                              static_cast<char*>(y) + (t * n + nb * kBlockN) * es, out_f32 != 0);
+             });
+  return 0;
+}
+
+// Multithreaded streaming read of an nbytes buffer (larger than the LLC) with the widest loads this
+// CPU has; returns the best of `repeats` in GB/s, or a negative value on error.
+FK_API double fk_bandwidth_probe(int64_t nbytes, int threads, int repeats) {
+  const int n = threads > 0 ? threads : fk_get_num_threads();
+  const int64_t slice = round_up(std::max<int64_t>(nbytes, 1 << 20) / n, 4096);
+  void* buf = nullptr;
+  if (posix_memalign(&buf, 2u << 20, size_t(slice * n)) != 0) return fail("probe: out of memory");
+  fk_advise_hugepages(buf, slice * n);
+  std::memset(buf, 1, size_t(slice * n));
+  const IsaOps& ops = vector_ops(best_isa());
+  std::atomic<uint64_t> sink{0};
+  double best = 0;
+  for (int r = 0; r < std::max(1, repeats); ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool().run(n, [&](int tid, int) {
+      sink.fetch_xor(ops.read(static_cast<char*>(buf) + tid * slice, slice), std::memory_order_relaxed);
+    });
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(slice * n) / dt / 1e9);
+  }
+  free(buf);
+  return best + 0.0 * double(sink.load() & 1);
+}

@@ -20,18 +20,18 @@ sys.path.insert(0, str(REPO))  # usable from a checkout without `pip install -e 
 from fiddler.synthetic import PRESETS, default_cache_root, ensure_synthetic_model  # noqa: E402
 
 
-def load_preset(preset: str) -> tuple[dict, int]:
-    """(arch, seed) from conf/model/<preset>.yaml when present (the harness's source of truth), else built-ins."""
+def load_preset(preset: str) -> tuple[dict, int, str]:
+    """(arch, seed, dtype) from conf/model/<preset>.yaml when present (the harness's source of truth), else built-ins."""
     yaml_path = REPO / "conf" / "model" / f"{preset}.yaml"
     if yaml_path.exists():
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.to_container(OmegaConf.load(yaml_path), resolve=True)
         if isinstance(cfg, dict) and isinstance(cfg.get("arch"), dict):
-            return dict(cfg["arch"]), int(cfg.get("seed") or 0)
+            return dict(cfg["arch"]), int(cfg.get("seed") or 0), str(cfg.get("dtype") or "bfloat16")
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
-    return dict(PRESETS[preset]), 0
+    return dict(PRESETS[preset]), 0, "bfloat16"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,19 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=f"cache root (default: {default_cache_root()})")
     p.add_argument("--arch-json", default="{}", help="Mixtral config keys as JSON, e.g. '{\"hidden_size\": 64}'")
     p.add_argument("--seed", type=int, default=None, help="weight seed (default: preset's, else 0)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--shard-size-mb", type=int, default=None, help="max safetensors shard size in MB")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
-    arch, seed = load_preset(args.preset) if args.preset else ({}, 0)
+    arch, seed, dtype = load_preset(args.preset) if args.preset else ({}, 0, "bfloat16")
     arch.update(json.loads(args.arch_json))
     if args.seed is not None:
         seed = args.seed
+    dtype = args.dtype or dtype
     name = args.name or args.preset
     if not name:
         p.error("give --name or --preset")
-    path = ensure_synthetic_model(name, arch, seed, args.out or default_cache_root(), dtype=args.dtype,
+    path = ensure_synthetic_model(name, arch, seed, args.out or default_cache_root(), dtype=dtype,
                                   shard_size_mb=args.shard_size_mb, progress=not args.quiet)
     print(path)
     return 0

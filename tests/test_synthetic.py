@@ -65,6 +65,7 @@ def test_checkpoint_uses_hub_key_format(tiny):
     cfg = json.loads((tiny / "config.json").read_text())
     assert cfg["model_type"] == "mixtral" and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
     assert cfg["torch_dtype"] == "bfloat16" and cfg["vocab_size"] == 1024
+    assert cfg["architectures"] == ["MixtralForCausalLM"]  # llama.cpp's converter dispatches on it
     assert (tiny / "generation_config.json").exists()
 
 
@@ -207,3 +208,15 @@ def test_cli_reuses_the_api_cache(tiny, cache):
         assert pathlib.Path(out).name.startswith("tiny_mixtral-")  # conf may define its own arch
     else:
         assert pathlib.Path(out) == tiny
+
+
+def test_full_size_vocab_trains_exactly(tmp_path):
+    # small_mixtral and Mixtral-8x7B use 32000 pieces; training must reach exactly that.
+    import sentencepiece as spm
+
+    path = syn.ensure_tokenizer(32000, tmp_path)
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    assert sp.get_piece_size() == 32000
+    text = "The expert model will compute each token in the first layer and then move the water."
+    assert len(sp.encode(text)) < len(text) / 3  # real merges, not a byte/char-level vocab
+    assert syn.ensure_tokenizer(32000, tmp_path) == path  # cached

@@ -62,7 +62,8 @@ def set_isa(name: str | None = None) -> str:
 
 def _set_amx(mode: str, min_tokens: int | None = None) -> None:
     """Testing hook: AMX tiles "off", "on" (hardware) or "emulated" (software tiles, any CPU), used
-    from `min_tokens` tokens up. Keeps the current vector path."""
+    from `min_tokens` tokens up (None: the default). Keeps the current vector path; `set_isa()`
+    restores the defaults."""
     code = {"off": _AMX_OFF, "on": _AMX_HW, "emulated": _AMX_EMULATED}[mode]
     _lib.check(_L().fk_configure(_L().fk_isa(), code, int(min_tokens or 0)))
 

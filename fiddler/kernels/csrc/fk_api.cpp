@@ -108,7 +108,8 @@ enum AmxMode { kAmxOff = 0, kAmxHw = 1, kAmxEmulated = 2 };
 
 std::atomic<int> g_isa{-1};            // -1: not configured yet (auto on first use)
 std::atomic<int> g_amx{kAmxOff};
-std::atomic<int> g_amx_min_tokens{16}; // below this the vector path is memory-bound anyway
+constexpr int kDefaultAmxMinTokens = 16;  // below this the vector path is memory-bound anyway
+std::atomic<int> g_amx_min_tokens{kDefaultAmxMinTokens};
 std::atomic<int> g_threads{0};         // 0: all CPUs this process may run on
 
 int best_isa() {
@@ -143,7 +144,7 @@ int configure(int isa, int amx, int amx_min_tokens) {
   if (amx < kAmxOff || amx > kAmxEmulated) return fail("unknown AMX mode " + std::to_string(amx));
   g_isa = isa;
   g_amx = amx;
-  if (amx_min_tokens > 0) g_amx_min_tokens = amx_min_tokens;
+  g_amx_min_tokens = amx_min_tokens > 0 ? amx_min_tokens : kDefaultAmxMinTokens;
   return 0;
 }
 

@@ -1,0 +1,299 @@
+"""fiddler.kernels: every compiled path against an fp64 reference, input validation, threading,
+the forced fallback, and a run under an emulated Haswell CPU (no AVX-512) to prove the run-time
+dispatch never executes an instruction the CPU lacks."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fiddler.kernels as fk
+
+pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernel library not built: {fk.load_error()}")
+
+FEATS = fk.features() if fk.is_available() else {}
+PATHS = [
+    pytest.param("avx512_bf16", marks=pytest.mark.skipif(FEATS.get("best_isa") != "avx512_bf16", reason="no AVX512-BF16")),
+    pytest.param("avx2", marks=pytest.mark.skipif(FEATS.get("best_isa") not in ("avx2", "avx512_bf16"), reason="no AVX2")),
+    "generic",
+    "amx_emulated",
+    pytest.param("amx", marks=pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")),
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    fk.set_isa("auto")
+
+
+def use_path(path: str) -> None:
+    if path == "amx_emulated":
+        fk.set_isa("generic" if FEATS["best_isa"] == "generic" else FEATS["best_isa"])
+        fk._set_amx("emulated", 1)  # every token count goes through the tile code
+    elif path == "amx":
+        fk.set_isa("amx")
+        fk._set_amx("on", 1)
+    else:
+        fk.set_isa(path)
+
+
+def rand_bf16(*shape, scale=1.0, gen):
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+def expert_case(hidden, ffn, tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = rand_bf16(tokens, hidden, gen=g)
+    w1, w3 = rand_bf16(ffn, hidden, scale=hidden**-0.5, gen=g), rand_bf16(ffn, hidden, scale=hidden**-0.5, gen=g)
+    w2 = rand_bf16(hidden, ffn, scale=ffn**-0.5, gen=g)
+    return x, w1, w3, w2
+
+
+def check_expert(y, x, w1, w3, w2):
+    """Bound for bf16 inputs, fp32 accumulation, h and y rounded to bf16 once each:
+    |y - ref| <= 2^-9 |W2| |h| (h rounding) + 2^-9 |ref| (y rounding), checked with 2x slack."""
+    xd, w1d, w3d, w2d = (t.double() for t in (x, w1, w3, w2))
+    h = torch.nn.functional.silu(xd @ w1d.T) * (xd @ w3d.T)
+    ref = h @ w2d.T
+    mag = h.abs() @ w2d.abs().T
+    err = (y.double() - ref).abs()
+    bound = 2**-8 * mag + 2**-8 * ref.abs() + 1e-6 * mag.max()
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"max error over bound {worst:.3g} (max err {err.max().item():.3g})"
+
+
+SHAPES = [(64, 128), (100, 300), (33, 17), (1, 1), (4096, 64), (96, 2080)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("hidden,ffn", SHAPES)
+def test_expert_ffn_matches_reference(path, hidden, ffn):
+    use_path(path)
+    for tokens in (1, 2, 7, 16, 33, 257):
+        if path == "amx_emulated" and hidden * ffn * tokens > 3_000_000:
+            continue  # the software tiles are slow; large cases are covered by the vector paths
+        x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed=tokens)
+        check_expert(fk.expert_ffn(x, w1, w3, w2), x, w1, w3, w2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@settings(max_examples=25, deadline=None)
+@given(hidden=st.integers(1, 160), ffn=st.integers(1, 200), tokens=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_expert_ffn_random_shapes(path, hidden, ffn, tokens, seed):
+    use_path(path)
+    x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed)
+    check_expert(fk.expert_ffn(x, w1, w3, w2), x, w1, w3, w2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,bias", [(8, 4096, False), (130, 97, True), (1, 1, True), (300, 64, False)])
+def test_packed_linear_matches_reference(path, out_dtype, n, k, bias):
+    use_path(path)
+    g = torch.Generator().manual_seed(n * k)
+    w = rand_bf16(n, k, scale=k**-0.5, gen=g)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    lin = fk.PackedLinear(w, b)
+    for tokens in (1, 5, 16, 40):
+        x = rand_bf16(tokens, k, gen=g)
+        y = lin.forward(x, out_dtype=out_dtype)
+        ref = x.double() @ w.double().T + (b.double() if bias else 0)
+        mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+        # fp32 accumulation over k terms, then (bf16 output) one rounding
+        bound = 1e-5 * mag + (2**-8 * ref.abs() if out_dtype == torch.bfloat16 else 0) + 1e-7
+        assert y.dtype == out_dtype and y.shape == (tokens, n)
+        assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_paths_agree_and_threads_do_not_change_results():
+    x, w1, w3, w2 = expert_case(300, 700, 45, seed=3)
+    pe = fk.PackedExpert(w1, w3, w2)
+    y1 = pe.forward(x, threads=1)
+    assert torch.equal(y1, pe.forward(x, threads=2)) and torch.equal(y1, pe.forward(x, threads=7))
+    assert pe.nbytes >= 3 * 300 * 700 * 2 and (pe.hidden, pe.ffn) == (300, 700)
+
+
+def test_out_argument_and_zero_tokens():
+    x, w1, w3, w2 = expert_case(64, 96, 5)
+    pe = fk.PackedExpert(w1, w3, w2)
+    out = torch.full((5, 64), float("nan"), dtype=torch.bfloat16)
+    assert pe.forward(x, out=out) is out and torch.equal(out, pe.forward(x))
+    assert pe.forward(x[:0]).shape == (0, 64)
+    lin = fk.PackedLinear(w1)
+    out32 = torch.empty(5, 96)
+    assert lin.forward(x, out=out32, out_dtype=torch.float32) is out32
+
+
+def test_bad_inputs_raise():
+    x, w1, w3, w2 = expert_case(64, 96, 4)
+    with pytest.raises(TypeError, match="bfloat16"):
+        fk.expert_ffn(x.float(), w1, w3, w2)
+    with pytest.raises(TypeError, match="bfloat16"):
+        fk.PackedExpert(w1.half(), w3, w2)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        fk.PackedExpert(w1, w3, w2.T.contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        fk.PackedExpert(w1, w3, w1.T)
+    pe = fk.PackedExpert(w1, w3, w2)
+    with pytest.raises(ValueError, match=r"\[tokens, 64\]"):
+        pe.forward(torch.zeros(4, 65, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D"):
+        pe.forward(x[0])
+    with pytest.raises(ValueError, match="contiguous"):
+        pe.forward(torch.zeros(64, 4, dtype=torch.bfloat16).T)
+    with pytest.raises(ValueError, match="out must be"):
+        pe.forward(x, out=torch.empty(3, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="threads"):
+        pe.forward(x, threads=0)
+    with pytest.raises(TypeError):
+        pe.forward([1, 2])
+    with pytest.raises(ValueError, match="empty"):
+        fk.PackedLinear(torch.zeros(0, 4, dtype=torch.bfloat16))
+    lin = fk.PackedLinear(w1)
+    with pytest.raises(TypeError, match="out_dtype"):
+        lin.forward(x, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="bias"):
+        fk.PackedLinear(w1, torch.zeros(3))
+    with pytest.raises(ValueError, match="unknown kernel ISA"):
+        fk.set_isa("sse9")
+    with pytest.raises(ValueError):
+        fk.set_num_threads(0)
+
+
+def test_concurrent_calls_from_python_threads():
+    # ctypes.CDLL (not PyDLL) releases the GIL; concurrent callers share the pool one region at a time
+    assert type(fk._lib.lib) is ctypes.CDLL
+    x, w1, w3, w2 = expert_case(128, 256, 9, seed=5)
+    pe = fk.PackedExpert(w1, w3, w2)
+    expected = pe.forward(x)
+    results = [None] * 6
+
+    def work(i):
+        for _ in range(10):
+            results[i] = pe.forward(x)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(r, expected) for r in results)
+
+
+def test_features_match_cpuinfo_and_threads_setting():
+    f = fk.features()
+    assert f["isa"] in f["compiled"] and f["best_isa"] in f["compiled"]
+    if os.path.exists("/proc/cpuinfo"):
+        flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
+        for name in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"):
+            assert f[name] == (name in flags), name
+    before = fk.get_num_threads()
+    fk.set_num_threads(1)
+    try:
+        assert fk.get_num_threads() == 1
+    finally:
+        fk._lib.lib.fk_set_num_threads(0)
+    assert fk.get_num_threads() == before
+
+
+def test_bandwidth_probe_reports_a_rate():
+    gbps = fk.bandwidth_probe(nbytes=32 << 20, repeats=2)
+    assert 0 < gbps < 10_000
+    with pytest.raises(ValueError):
+        fk.bandwidth_probe(nbytes=1000)
+
+
+_SMALL_CALL = """
+import torch, fiddler.kernels as fk
+torch.manual_seed(0)
+x = torch.randn(3, 40).bfloat16(); w1 = (torch.randn(72, 40) / 7).bfloat16()
+w3 = (torch.randn(72, 40) / 7).bfloat16(); w2 = (torch.randn(40, 72) / 9).bfloat16()
+y = fk.expert_ffn(x, w1, w3, w2).double()
+ref = (torch.nn.functional.silu(x.double() @ w1.double().T) * (x.double() @ w3.double().T)) @ w2.double().T
+assert ((y - ref).norm() / ref.norm()).item() < 1e-2
+print("ISA", fk.isa())
+"""
+
+
+def run_python(code, env=None, prefix=()):
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_forced_fallback_by_environment():
+    r = run_python(_SMALL_CALL, env={"FIDDLER_KERNEL_ISA": "avx2" if FEATS["best_isa"] != "generic" else "generic"})
+    assert r.returncode == 0, r.stderr
+    assert "ISA avx2" in r.stdout or "ISA generic" in r.stdout
+    bad = run_python("import fiddler.kernels", env={"FIDDLER_KERNEL_ISA": "nope"})
+    assert bad.returncode != 0 and "unknown kernel ISA" in bad.stderr
+
+
+# Without torch: the library alone, loaded by path, on a CPU where torch itself cannot run.
+_CTYPES_CALL = """
+import ctypes, importlib.util, math, random, struct
+spec = importlib.util.spec_from_file_location("fkl", %r)
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+L = m.lib
+assert L is not None, m.load_error
+rnd = random.Random(0)
+def bf(v): return struct.unpack("<I", struct.pack("<f", v))[0] >> 16    # v exact in bf16
+def f(b): return struct.unpack("<f", struct.pack("<I", b << 16))[0]
+H, F, T = 40, 72, 3
+vals = lambda n: [rnd.randint(-8, 8) / 16 for _ in range(n)]
+x, w1, w3, w2 = vals(T * H), vals(F * H), vals(F * H), vals(H * F)
+arr = lambda v: (ctypes.c_uint16 * len(v))(*[bf(a) for a in v])
+cx, c1, c3, c2 = arr(x), arr(w1), arr(w3), arr(w2)
+def packed(ws, n, k):
+    buf = ctypes.create_string_buffer(L.fk_packed_bytes(n, k, len(ws)) + 64)
+    p = (ctypes.addressof(buf) + 63) // 64 * 64
+    assert L.fk_pack((ctypes.c_void_p * len(ws))(*[ctypes.addressof(w) for w in ws]), len(ws), n, k, p, 0) == 0
+    return buf, p
+b13, p13 = packed([c1, c3], F, H)
+b2, p2 = packed([c2], H, F)
+y = (ctypes.c_uint16 * (T * H))()
+assert L.fk_expert_ffn(p13, p2, H, F, ctypes.addressof(cx), T, ctypes.addressof(y), 0) == 0
+for t in range(T):
+    a = [sum(w1[i * H + j] * x[t * H + j] for j in range(H)) for i in range(F)]
+    u = [sum(w3[i * H + j] * x[t * H + j] for j in range(H)) for i in range(F)]
+    h = [ai / (1 + math.exp(-ai)) * ui for ai, ui in zip(a, u)]
+    for d in range(H):
+        ref = sum(w2[d * F + i] * h[i] for i in range(F))
+        mag = sum(abs(w2[d * F + i] * h[i]) for i in range(F))
+        assert abs(f(y[t * H + d]) - ref) <= 2 ** -8 * (mag + abs(ref)) + 1e-6, (t, d)
+print("ISA", ["generic", "avx2", "avx512_bf16"][L.fk_isa()])
+"""
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (apt-get install qemu-user)")
+def test_runs_on_haswell_without_avx512():
+    # qemu's TCG has no AVX-512, so any AVX-512 (or AMX) instruction reached here would be SIGILL
+    r = run_python(_SMALL_CALL, prefix=("qemu-x86_64", "-cpu", "Haswell"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ISA avx2" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (apt-get install qemu-user)")
+def test_library_runs_on_baseline_x86_64():
+    # qemu64: SSE2-era x86-64 (torch itself needs more, so only the library is loaded)
+    r = run_python(_CTYPES_CALL % fk._lib.__file__, prefix=("qemu-x86_64", "-cpu", "qemu64"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ISA generic" in r.stdout
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_benchmark_packed_expert(benchmark, tokens):
+    """Regression tracking with pytest-benchmark (--benchmark-enable); a plain correctness run otherwise."""
+    x, w1, w3, w2 = expert_case(1024, 3584, tokens, seed=11)
+    pe = fk.PackedExpert(w1, w3, w2)
+    y = benchmark(pe.forward, x)
+    check_expert(y, x, w1, w3, w2)

@@ -149,34 +149,38 @@ class HardwareSpec:
 
 # ---------------------------------------------------------------- fitting
 
+def _median(xs: Sequence[float]) -> float:
+    v = sorted(xs)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
 def fit_linear(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares t = a*s + b with a, b >= 0 (a negative slope or intercept is measurement noise)."""
-    n = len(points)
-    if n == 0:
+    """t = a*s + b by Theil-Sen (median of pairwise slopes, median intercept): timings on a shared machine
+    have one-sided outliers (preemption) that would drag a least-squares line. a, b >= 0."""
+    pts = [(float(s), float(t)) for s, t in points]
+    if not pts:
         raise ValueError("no samples to fit")
-    xs = [float(s) for s, _ in points]
-    ys = [float(t) for _, t in points]
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    b = my - a * mx
-    if a < 0:
-        return 0.0, my
-    if b < 0:  # refit through the origin
-        return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
+    slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(pts) for s2, t2 in pts[i + 1:] if s2 != s1]
+    a = max(0.0, _median(slopes)) if slopes else 0.0
+    b = _median([t - a * s for s, t in pts])
+    if b < 0:  # through the origin
+        b = 0.0
+        a = _median([t / s for s, t in pts if s > 0])
     return a, b
 
 
 def fit_roofline(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
-    """Fit t = max(floor, a*s + b): try every split of the samples (sorted by s) into a flat head and a
-    linear tail, keep the split with the smallest squared relative error. Returns (a, b, floor)."""
+    """Fit t = max(floor, a*s + b): try every split of the samples (sorted by s) into a flat head (its
+    median) and a linear tail (`fit_linear`), keep the split with the smallest summed absolute relative
+    error. Returns (a, b, floor)."""
     pts = sorted((float(s), float(t)) for s, t in points)
     best = None
     for k in range(0, len(pts) - 1):
         head, tail = pts[:k], pts[k:]
-        floor = sum(t for _, t in head) / len(head) if head else 0.0
+        floor = _median([t for _, t in head]) if head else 0.0
         a, b = fit_linear(tail)
-        err = sum(((max(floor, a * s + b) - t) / t) ** 2 for s, t in pts if t > 0)
+        err = sum(abs(max(floor, a * s + b) - t) / t for s, t in pts if t > 0)
         if best is None or err < best[0]:
             best = (err, a, b, floor)
     if best is None:  # a single sample: flat

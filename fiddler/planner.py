@@ -45,8 +45,10 @@ class LayerPlan:
 
 
 def predict(counts: Sequence[int], decisions: Sequence, lm) -> tuple[float, float]:
-    """(cpu_time, gpu_time) of a decision vector under latency model `lm`."""
+    """(cpu_time, gpu_time) of a decision vector under latency model `lm` (zeros without a model)."""
     cpu = gpu = 0.0
+    if lm is None:
+        return cpu, gpu
     for n, d in zip(counts, decisions):
         if d == CPU:
             cpu += lm.cpu(n)
@@ -88,7 +90,13 @@ def plan_all(kind: str) -> Callable:
     return planner
 
 
+def _need(lm, name):
+    if lm is None:
+        raise ValueError(f"planner {name!r} needs a latency model")
+
+
 def plan_paper(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerPlan:
+    _need(lm, "paper")
     dec, free = _base(counts, resident)
     for e in free:
         dec[e] = COPY if lm.transfer() + lm.gpu(counts[e]) < lm.cpu(counts[e]) else CPU
@@ -145,6 +153,7 @@ def _greedy(free, p, q, cpu0, gpu0) -> list[bool]:
 
 
 def plan_makespan(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerPlan:
+    _need(lm, "makespan")
     dec, free = _base(counts, resident)
     if not free:
         return _plan(counts, dec, lm)

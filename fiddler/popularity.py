@@ -74,10 +74,12 @@ class Popularity:
         return out
 
     def ranking(self) -> list[tuple[int, int]]:
-        """(layer, expert) pairs, most popular first; ties broken by (layer, expert) so it is deterministic."""
+        """(layer, expert) pairs, most popular first. Ties are broken by (expert, layer), so a uniform
+        profile spreads residents over all layers (expert 0 of every layer first) instead of filling the
+        first layers."""
         sh = self.shares()
         pairs = [(l, e) for l in range(self.num_layers) for e in range(self.num_experts)]
-        return sorted(pairs, key=lambda p: (-sh[p[0]][p[1]], p[0], p[1]))
+        return sorted(pairs, key=lambda p: (-sh[p[0]][p[1]], p[1], p[0]))
 
     # ---- constructors / IO ----
     @classmethod

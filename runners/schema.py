@@ -177,6 +177,37 @@ class FiddlerConfig(SystemConfig):
             _check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
 
 
+_LLAMA_QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m",
+                 "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+
+
+class OnOffAuto(Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+@dataclass
+class LlamaCppConfig(SystemConfig):
+    quant: str = "bf16"  # GGUF type: converter types f32/f16/bf16/q8_0 or llama.cpp's quantizer types
+    n_gpu_layers: int = 0  # -ngl; -1 = all
+    n_cpu_moe: int = 0  # --n-cpu-moe: expert FFNs of the first N layers stay in host memory
+    n_ctx: Optional[int] = None  # None = derived from the request
+    n_batch: int = 512
+    flash_attn: OnOffAuto = OnOffAuto.auto
+    threads: Optional[int] = None  # None = environment.cpu.threads
+    converter_dir: Optional[str] = None  # llama.cpp source tree with convert_hf_to_gguf.py
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        _check(lambda: self.quant in _LLAMA_QUANTS, "system.quant", self.quant, ", ".join(_LLAMA_QUANTS))
+        _check(lambda: self.n_gpu_layers >= -1, "system.n_gpu_layers", self.n_gpu_layers, "-1 (all) or >= 0")
+        _check(lambda: self.n_cpu_moe >= 0, "system.n_cpu_moe", self.n_cpu_moe, "an integer >= 0")
+        _check(lambda: self.n_batch >= 1, "system.n_batch", self.n_batch, "an integer >= 1")
+        if self.threads is not None:
+            _check(lambda: self.threads >= 1, "system.threads", self.threads, "null or an integer >= 1")
+
+
 # ---------------------------------------------------------------- run control
 class Mode(Enum):
     execute = "execute"
@@ -220,6 +251,7 @@ class Config:
 SYSTEM_SCHEMAS: dict[str, type] = {
     "hf_transformers_schema": HFTransformersConfig,
     "fiddler_schema": FiddlerConfig,
+    "llama_cpp_schema": LlamaCppConfig,
 }
 
 

@@ -1,0 +1,54 @@
+"""Rebuild a table from any set of records: JSONL files (records.jsonl, the project index) or
+directories holding them (searched recursively).
+
+    python scripts/tables.py results/index.jsonl
+    python scripts/tables.py results/multirun/2026-11-29 --out /tmp/table --system fiddler llama_cpp
+
+Damaged lines are reported on stderr with file and line number and skipped, never silently dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runners import tables  # noqa: E402
+from runners.records import read_jsonl  # noqa: E402
+
+
+def collect(paths: list[str]) -> list[dict]:
+    recs: list[dict] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            for f in sorted(p.rglob("records.jsonl")):
+                recs.extend(read_jsonl(f))
+        elif p.is_file():
+            recs.extend(read_jsonl(p))
+        else:
+            raise SystemExit(f"error: no such file or directory: {p}")
+    return recs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", help="records.jsonl / index files or directories")
+    ap.add_argument("--out", help="directory to write table.md and table.csv into")
+    ap.add_argument("--system", nargs="*", help="only these systems")
+    ap.add_argument("--status", nargs="*", help="only these statuses (default: all)")
+    args = ap.parse_args(argv)
+    recs = collect(args.paths)
+    if args.system:
+        recs = [r for r in recs if r.get("system") in args.system]
+    if args.status:
+        recs = [r for r in recs if r.get("status") in args.status]
+    table = tables.build(recs)
+    print(tables.to_markdown(table))
+    if args.out:
+        tables.save(table, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""A system adapter whose behaviour is chosen by the prompt length, for harness tests that need
+configurations which crash, hang, exhaust memory or run slowly -- without loading a model.
+
+input_len 11: raises; 12: hangs; 13: allocates until the OS memory limit stops it;
+14: kills its own process with SIGSEGV; 15-19: sleeps 1 s per generate; else: returns at once.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
+
+
+class FakeSystem(SystemAdapter):
+    def load(self) -> None:
+        self.calls = 0
+
+    def generate(self, request: GenerationRequest, on_first_token) -> GenerationResult:
+        self.calls += 1
+        n = len(request.input_ids)
+        if n == 11:
+            raise RuntimeError("fake failure for input_len 11")
+        if n == 12:
+            time.sleep(3600)
+        if n == 13:
+            hog = []
+            while True:
+                hog.append(bytearray(256 * 2**20))
+        if n == 14:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if 15 <= n <= 19:
+            time.sleep(1.0)
+        on_first_token()
+        # deterministic tokens: a function of the prompt, like a greedy decoder
+        return GenerationResult(tokens=[(sum(request.input_ids) + i) % 97 for i in range(request.max_new_tokens)],
+                                stats={"calls": self.calls})
+
+    def info(self):
+        return {"fake": True}

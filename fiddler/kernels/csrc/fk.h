@@ -44,8 +44,10 @@ struct IsaOps {
   int mr;  // tokens per micro-kernel call (the AMX path needs multiples of 16 with padded rows)
   // acc[m][64] (+)= sum_{kp < kpairs} w[kp][n][0..1] . x[m][2kp..2kp+1]   for m < mr_used
   // w: packed block, already offset to the first kp; x row stride ldx elements; acc row stride 64.
+  // pf/pf_lines: cache lines (64 B) to pull into L2 along the way (the next weight chunk, while this
+  // one is reused from L2 by later token groups); paths may ignore it.
   void (*mk)(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-             float* acc, bool accumulate);
+             float* acc, bool accumulate, const char* pf, int64_t pf_lines);
   // h[i] = bf16(silu(a[i]) * b[i]) for i < n
   void (*silu_mul)(const float* a, const float* b, int64_t n, uint16_t* h);
   // y[i] = acc[i] (+ bias[i]) as bf16 or fp32, i < n; bias may be null

@@ -17,7 +17,7 @@ struct alignas(64) TileConfig {
 };
 
 static void amx_mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-                   float* acc, bool accumulate) {
+                   float* acc, bool accumulate, const char*, int64_t) {
   TileConfig cfg = {};
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) {

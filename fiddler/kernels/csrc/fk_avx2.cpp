@@ -45,7 +45,7 @@ void mk16(const char* wp, int64_t kpairs, const uint16_t* x, int64_t ldx, float*
 }
 
 void mk_avx2(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-             float* acc, bool accumulate) {
+             float* acc, bool accumulate, const char*, int64_t) {
   const char* wp = reinterpret_cast<const char*>(w);
   // four 16-row slices of the block; the K chunk stays in L2 between slices
   for (int s = 0; s < 4; ++s) {

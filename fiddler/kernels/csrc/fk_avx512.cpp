@@ -21,7 +21,7 @@ inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 // into 4 registers and multiplied with every token's broadcast column pair.
 template <int M>
 void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
-        bool accumulate) {
+        bool accumulate, const char* pf, int64_t pf_lines) {
   __m512 c[M][4];
   for (int t = 0; t < M; ++t)
     for (int j = 0; j < 4; ++j)
@@ -29,7 +29,14 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
   const int* xr[M];
   for (int t = 0; t < M; ++t) xr[t] = reinterpret_cast<const int*>(x + t * ldx);
   const char* wp = reinterpret_cast<const char*>(w);
+  // L2 prefetch of the next chunk: `per` lines an iteration until pf_lines are requested
+  const int64_t per = (pf_lines + kpairs - 1) / kpairs;
   for (int64_t kp = 0; kp < kpairs; ++kp, wp += 256) {
+    if (pf_lines > 0) {
+      for (int64_t i = 0; i < per; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+      pf += 64 * per;
+      pf_lines -= per;
+    }
     _mm_prefetch(wp + kPrefetch, _MM_HINT_T0);
     _mm_prefetch(wp + kPrefetch + 64, _MM_HINT_T0);
     _mm_prefetch(wp + kPrefetch + 128, _MM_HINT_T0);
@@ -50,14 +57,14 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
 }
 
 void mk_avx512(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-               float* acc, bool accumulate) {
+               float* acc, bool accumulate, const char* pf, int64_t pf_lines) {
   switch (m) {
-    case 1: return mk<1>(w, kpairs, x, ldx, acc, accumulate);
-    case 2: return mk<2>(w, kpairs, x, ldx, acc, accumulate);
-    case 3: return mk<3>(w, kpairs, x, ldx, acc, accumulate);
-    case 4: return mk<4>(w, kpairs, x, ldx, acc, accumulate);
-    case 5: return mk<5>(w, kpairs, x, ldx, acc, accumulate);
-    default: return mk<6>(w, kpairs, x, ldx, acc, accumulate);
+    case 1: return mk<1>(w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
+    case 2: return mk<2>(w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
+    case 3: return mk<3>(w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
+    case 4: return mk<4>(w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
+    case 5: return mk<5>(w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
+    default: return mk<6>(w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
   }
 }
 

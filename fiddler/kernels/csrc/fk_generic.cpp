@@ -7,7 +7,7 @@
 namespace fk {
 
 void mk_generic(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-                float* acc, bool accumulate) {
+                float* acc, bool accumulate, const char*, int64_t) {
   for (int t = 0; t < m; ++t) {
     float a[kBlockN];
     if (accumulate) std::memcpy(a, acc + t * kBlockN, sizeof a);

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Benchmark the CPU expert kernel against PyTorch and against this machine's memory bandwidth.
+
+For each token count, in one process and side by side: the packed kernel (PackedExpert.forward),
+torch's bf16 F.linear expert on the same tensors, the streaming-read probe and an fp32 F.linear GEMV
+(one token) over as many bytes as the expert's weights. The limit (`stream_gbps`) is the faster of
+the last two. Every figure is the best of --reps runs; the probe and GEMV are re-measured for each row
+so that a row is self-consistent when other processes load the machine.
+
+    python scripts/bench_kernel.py                       # Mixtral-8x7B expert, 1..128 tokens
+    python scripts/bench_kernel.py --hidden 1024 --ffn 3584 --tokens 1 8 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fiddler.kernels as fk
+
+
+def best_time(fn, reps: int) -> float:
+    fn()  # warm-up: page faults, thread pool start
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    ap.add_argument("--threads", type=int, default=None, help="kernel and torch threads (default: all CPUs)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--isa", default=None, help="force a kernel path (auto, amx, avx512_bf16, avx2, generic)")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+
+    if not fk.is_available():
+        raise SystemExit(f"kernel library not available: {fk.load_error()}")
+    if args.isa:
+        fk.set_isa(args.isa)
+    threads = args.threads or fk.get_num_threads()
+    torch.set_num_threads(threads)
+
+    g = torch.Generator().manual_seed(0)
+    H, FF = args.hidden, args.ffn
+    w1 = (torch.randn(FF, H, generator=g) * H**-0.5).to(torch.bfloat16)
+    w3 = (torch.randn(FF, H, generator=g) * H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(H, FF, generator=g) * FF**-0.5).to(torch.bfloat16)
+    t0 = time.perf_counter()
+    expert = fk.PackedExpert(w1, w3, w2)
+    pack_s = time.perf_counter() - t0
+    weight_bytes = 3 * H * FF * 2
+    # fp32 GEMV over the same number of bytes: MKL's streaming rate, one of the two limit estimates
+    gemv_w = torch.randn(-(-weight_bytes // (4 * H)), H, generator=g)
+    gemv_x = torch.randn(1, H, generator=g)
+
+    def torch_expert(x):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    feats = fk.features()
+    print(f"# {platform.processor() or platform.machine()}, {threads} threads, kernel path {feats['isa']}"
+          f"{' + AMX' if feats['amx_active'] else ''}, torch {torch.__version__}; "
+          f"expert {H}x{FF} ({weight_bytes / 1e6:.0f} MB bf16), packed in {pack_s:.2f} s, best of {args.reps}")
+    cols = ["tokens", "kernel_ms", "torch_ms", "speedup", "kernel_gbps", "stream_gbps", "probe_gbps",
+            "gemv_fp32_gbps", "max_rel_diff"]
+    print(" ".join(f"{c:>14}" for c in cols))
+    rows = []
+    for tokens in args.tokens:
+        x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+        probe = fk.bandwidth_probe(threads=threads, repeats=args.reps)
+        gemv_gbps = gemv_w.numel() * 4 / best_time(lambda: F.linear(gemv_x, gemv_w), args.reps) / 1e9
+        out = torch.empty(tokens, H, dtype=torch.bfloat16)
+        k_s = best_time(lambda: expert.forward(x, out=out, threads=threads), args.reps)
+        t_s = best_time(lambda: torch_expert(x), args.reps)
+        ref = torch_expert(x).float()
+        diff = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        row = {
+            "tokens": tokens,
+            "kernel_ms": k_s * 1e3,
+            "torch_ms": t_s * 1e3,
+            "speedup": t_s / k_s,
+            "kernel_gbps": weight_bytes / k_s / 1e9,
+            "stream_gbps": max(probe, gemv_gbps),
+            "probe_gbps": probe,
+            "gemv_fp32_gbps": gemv_gbps,
+            "max_rel_diff": diff,
+        }
+        rows.append(row)
+        print(" ".join(f"{row[c]:>14.4g}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols), flush=True)
+    if args.json:
+        meta = {"hidden": H, "ffn": FF, "threads": threads, "features": feats, "torch": torch.__version__,
+                "reps": args.reps, "pack_s": pack_s}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -94,6 +94,33 @@ def test_tensor_independent_of_thread_count():
     assert torch.equal(a, b)
 
 
+_ISA_SPECS = [syn.TensorSpec("w", (257, 129), "normal", 0.05), syn.TensorSpec("n", (4096,), "norm")]
+_ISA_SCRIPT = (
+    "import hashlib, sys; from fiddler import synthetic as syn; from tests.test_synthetic import _ISA_SPECS; "
+    "print([hashlib.sha256(syn.make_tensor(s, 3).view(__import__('torch').uint8).numpy().tobytes()).hexdigest() "
+    "for s in _ISA_SPECS])"
+)
+
+
+def test_tensor_bytes_independent_of_cpu_isa():
+    # PyTorch picks vectorized kernels per CPU (DEFAULT/AVX2/AVX512); a checkpoint made on one
+    # machine must match the one made on another (e.g. the GPU host), so force the scalar path.
+    import os
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    here = [hashlib.sha256(syn.make_tensor(s, 3).view(torch.uint8).numpy().tobytes()).hexdigest() for s in _ISA_SPECS]
+    assert out == str(here)
+
+
+def test_init_scales():
+    w = syn.make_tensor(syn.TensorSpec("w", (1024, 1024), "normal", 0.05), 0, "float32")
+    assert abs(w.mean()) < 1e-3 and abs(w.std() - 0.05) < 1e-3
+    n = syn.make_tensor(syn.TensorSpec("n", (4096,), "norm"), 0, "float32")
+    assert abs(n.mean() - 1) < 0.01 and abs(n.std() - syn.NORM_JITTER) < 0.01
+
+
 def test_changed_arch_gets_new_directory(tiny, cache):
     other = syn.ensure_synthetic_model("tiny_mixtral", {**TINY, "num_hidden_layers": 2}, 0, cache, progress=False)
     assert other != tiny and other.name.startswith("tiny_mixtral-")

@@ -145,9 +145,10 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
     lat = []
 
     t0 = time.perf_counter()
-    logits = model.forward(prompt[None], 0)  # one prefill; its cache row is copied to the other beams
+    # One batch-1 prefill: every first-step continuation comes from row 0, so the reorder before the
+    # first decode step copies row 0's cache into all beams.
+    logits = model.forward(prompt[None], 0)
     _check_finite(logits, 0)
-    model.cache.broadcast_row0(B, S)
     log_probs = torch.log_softmax(logits, dim=-1).expand(B, V)
     step = 0
     while True:

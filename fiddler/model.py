@@ -152,11 +152,6 @@ class KVCache:
         for t in (self.k, self.v):
             t[:, :B, :, :length] = t[:, :B, :, :length].index_select(1, beam_idx)
 
-    def broadcast_row0(self, batch: int, length: int):
-        """Copy the prompt's cache (row 0) into rows 1..batch-1 (beam search after a batch-1 prefill)."""
-        for t in (self.k, self.v):
-            t[:, 1:batch, :, :length] = t[:, :1, :, :length]
-
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

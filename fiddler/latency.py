@@ -181,7 +181,7 @@ def fit_roofline(points: Sequence[tuple[float, float]]) -> tuple[float, float, f
         floor = _median([t for _, t in head]) if head else 0.0
         a, b = fit_linear(tail)
         err = sum(abs(max(floor, a * s + b) - t) / t for s, t in pts if t > 0)
-        if best is None or err < best[0]:
+        if best is None or err < best[0] - 1e-9:  # a floor must earn its place: ties keep the plain line
             best = (err, a, b, floor)
     if best is None:  # a single sample: flat
         return 0.0, 0.0, pts[0][1]

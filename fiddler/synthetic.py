@@ -7,7 +7,8 @@ llama.cpp's converter and the Fiddler engine read experts one by one by those na
 
 Design choices:
 - each tensor gets its own seed derived from (generator version, seed, tensor name), so a
-  tensor's bytes do not depend on generation order or shard layout;
+  tensor's bytes do not depend on generation order or shard layout, and the noise is built
+  from exact operations only, so bytes are identical across thread counts and CPU ISAs;
 - tensors are generated one at a time and streamed into safetensors files written by hand
   (the format is a JSON header plus raw bytes), so memory stays bounded by one tensor even
   for multi-GiB models;
@@ -462,6 +463,8 @@ def ensure_synthetic_model(name: str, arch: dict, seed: int, cache_root: str | o
 
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"invalid model name {name!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     a = resolve_arch(arch)
     shard = DEFAULT_SHARD_SIZE_MB if shard_size_mb is None else int(shard_size_mb)
     root = pathlib.Path(cache_root).expanduser()

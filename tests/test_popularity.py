@@ -99,3 +99,31 @@ def test_recorder_counts_routing():
         rec.record(0, torch.tensor([[0, 4]]))
     rec.reset()
     assert rec.tokens == 0 and rec.popularity().counts == [[0] * 4] * 2
+
+
+def test_profile_script_on_tiny_checkpoint(tmp_path):
+    import importlib.util
+
+    from tests.models import ARCHS, model_path
+
+    spec = importlib.util.spec_from_file_location("profile_popularity", Path(__file__).resolve().parents[1]
+                                                  / "scripts/profile_popularity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    arch = ARCHS["e8k2"]
+    out = tmp_path / "pop.json"
+    assert mod.main(["--model", str(model_path("e8k2")), "--synthetic", "3", "--prompt-len", "10",
+                     "--max-new-tokens", "2", "--dtype", "float32", "--out", str(out)]) == 0
+    p = Popularity.load(out)
+    assert p.shape == (arch["num_hidden_layers"], arch["num_local_experts"]) and p.top_k == 2
+    assert p.total_input_tokens == 30
+    # prefill routes 10 tokens per prompt, then 2 generated tokens: 1 more forward of 1 token
+    # (the first new token comes from the prefill logits)
+    routed = p.meta["routed_tokens"]
+    assert routed == 3 * (10 + 1)
+    assert all(sum(row) == routed * 2 for row in p.counts)
+    assert p.meta["source"]["tool"] == "scripts/profile_popularity.py"
+    # the profile feeds placement directly
+    from fiddler.config import MoEConfig
+
+    Popularity.for_config(MoEConfig.from_pretrained(model_path("e8k2")), out)

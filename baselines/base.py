@@ -37,6 +37,9 @@ class RunContext:
     has_cuda: bool
     cache_dir: str
     environment: dict[str, Any] = field(default_factory=dict)  # resolved environment config
+    # the largest request of the job (prompt + new tokens, beams), so systems can size KV caches
+    max_seq_len: int = 4096
+    max_batch: int = 1
 
 
 @dataclass

@@ -50,7 +50,9 @@ def make_adapter(job: Job) -> SystemAdapter:
 
     ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
                      has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cfg["cache_dir"])),
-                     environment=env)
+                     environment=env,
+                     max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
+                     max_batch=max(p["beam_width"] for p in job.points))
     model = ModelSpec(name=cfg["model"]["name"], path=job.model_path, dtype=cfg["model"]["dtype"])
     return load_adapter_class(job.system["adapter"])(options, model, ctx)
 

@@ -33,7 +33,17 @@ VARIANTS = {
     "reference": dict(executor_factory=build_local_executor),
 }
 if _has_fiddler_executor():
+    from fiddler.latency import LatencyModel
+
     VARIANTS["fiddler-cpu"] = dict(gpu_budget_bytes=None)  # fiddler.executor.build_executor, no GPU
+    # A budget makes the CPU device stand in for the GPU: placement, plans and weight copies run for real.
+    # This hand-made latency model copies experts in for multi-token batches and runs single tokens on the
+    # CPU, so decisions a, b and c all occur (per-kind checks: tests/test_executor.py).
+    _MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
+    VARIANTS["fiddler-emul-half-paper"] = dict(gpu_budget_bytes=1 << 40, placement="fraction:0.5", planner="paper",
+                                               latency_model=_MIX)
+    VARIANTS["fiddler-emul-none-makespan"] = dict(gpu_budget_bytes=1 << 40, placement="none", planner="makespan",
+                                                  latency_model=_MIX)
 
 variant_params = pytest.mark.parametrize("variant", list(VARIANTS))
 # Generation tests on the two required shapes; logits tests also on the head_dim/tied-embedding model.

@@ -47,6 +47,9 @@ def resolve_model_path(conf: Config) -> str:
         if not (path / "config.json").is_file():
             what = "does not exist" if not path.exists() else "has no config.json (not a Hugging Face checkpoint)"
             raise ConfigError(f"model.path={model.path!r} {what}")
+        from runners.checkpoint import verify_checkpoint
+
+        verify_checkpoint(path)
         return str(path)
     if not model.synthetic:
         raise ConfigError(f"model={model.name} needs model.path=<local Hugging Face checkpoint> to execute "

@@ -120,7 +120,9 @@ class Session:
         self.unavailable: str | None = None
         self.failed: tuple[str, str] | None = None  # (status, reason) when loading failed
         self.on_progress = on_progress or (lambda msg: None)
-        self._vocab = json.loads((Path(job.model_path) / "config.json").read_text())["vocab_size"]
+        model_config = json.loads((Path(job.model_path) / "config.json").read_text())
+        self._vocab = model_config["vocab_size"]
+        self._context = model_config.get("max_position_embeddings")
 
     def load(self) -> None:
         try:
@@ -142,6 +144,9 @@ class Session:
         point = Point(**job.points[index])
         rec = base_record(job, index, "ok", None)
         try:
+            if self._context and point.input_len + point.output_len > self._context:
+                raise ValueError(f"prompt of {point.input_len} tokens + {point.output_len} new tokens exceeds the "
+                                 f"model's context of {self._context} tokens (max_position_embeddings)")
             ids = prompt_for(_Workload(wl), point, self._vocab, job.model_path)
             request = GenerationRequest(input_ids=ids, max_new_tokens=point.output_len,
                                         beam_width=point.beam_width, seed=int(wl["seed"]))

@@ -237,11 +237,16 @@ class MoETransformer:
             raise ValueError(f"batch {B} exceeds max_batch={self.max_batch}")
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H]
+        # optional executor hook: sees the residual stream after each MoE layer (e.g. to guess and prefetch
+        # the next layer's experts with its router, as Mixtral-Offloading does)
+        after_moe = getattr(self.executor, "after_moe", None)
         for i, (n1, q, k, v, o, n2, gate) in enumerate(self.layers):
             x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, q, k, v, o)
             h = rms_norm(x, n2, eps)
             idx, w = route(gate(h), cfg.top_k, self.dtype)
             x = x + self.executor.forward(i, h, idx, w)
+            if after_moe is not None:
+                after_moe(i, x)
         if not all_logits:
             x = x.view(B, T, -1)[:, -1].contiguous()
         logits = self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32)

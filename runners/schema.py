@@ -208,6 +208,33 @@ class LlamaCppConfig(SystemConfig):
             _check(lambda: self.threads >= 1, "system.threads", self.threads, "null or an integer >= 1")
 
 
+class PrefetchInput(Enum):
+    residual = "residual"  # hidden state after the layer's MoE output is added
+    moe_input = "moe_input"  # the layer's (normed) expert input
+
+
+@dataclass
+class MixtralOffloadingConfig(SystemConfig):
+    cache_size: Optional[int] = None  # experts per layer on the GPU; None = derived from the GPU budget
+    default_cache_size: int = 2  # when cache_size is None and there is no GPU budget
+    gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
+    prefetch: bool = True
+    prefetch_k: Optional[int] = None  # None = the model's top_k
+    prefetch_input: PrefetchInput = PrefetchInput.residual
+    quantize: bool = False  # HQQ: attention 4-bit g64, experts 2-bit g16 (needs the hqq package)
+    cpu_threads: Optional[int] = None  # None = environment.cpu.threads
+
+    def __post_init__(self) -> None:
+        for key in ("cache_size", "prefetch_k", "cpu_threads"):
+            v = getattr(self, key)
+            if v is not None:
+                _check(lambda: v >= 1, f"system.{key}", v, "null or an integer >= 1")
+        _check(lambda: self.default_cache_size >= 1, "system.default_cache_size", self.default_cache_size,
+               "an integer >= 1")
+        if self.gpu_budget_gb is not None:
+            _check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
+
+
 # ---------------------------------------------------------------- run control
 class Mode(Enum):
     execute = "execute"
@@ -252,6 +279,7 @@ SYSTEM_SCHEMAS: dict[str, type] = {
     "hf_transformers_schema": HFTransformersConfig,
     "fiddler_schema": FiddlerConfig,
     "llama_cpp_schema": LlamaCppConfig,
+    "mixtral_offloading_schema": MixtralOffloadingConfig,
 }
 
 

@@ -143,10 +143,15 @@ class MoEExecutor:
 
         # Threads. On CUDA the CPU queue gets every core (the calling thread only launches GPU work).
         # Without CUDA both queues run on the CPU: with overlap they run concurrently on disjoint halves
-        # of the cores, without it one after the other with all cores. Which is faster is measured
-        # (scripts/bench_executor_overlap.py); the default is serial on the CPU.
+        # of the cores, without it one after the other with all cores. Measured on the 2-core dev VM
+        # (scripts/bench_executor_overlap.py, shared and loaded): in bf16 overlap is 2.5-20x faster (all-core
+        # kernel/OpenMP regions stall when another process holds a core); in fp32 it loses at 1-4 tokens.
+        # fp32 is also the exactness mode, and MKL's fp32 GEMM rounding depends on the thread count, so
+        # the CPU default is overlap for bf16/fp16 and serial with all cores (bit-exact) for fp32.
         cores = hardware.cpu_cores()
-        self.overlap = (self.cuda if overlap is None else bool(overlap)) and has_gpu
+        if overlap is None:
+            overlap = self.cuda or dtype != torch.float32
+        self.overlap = bool(overlap) and has_gpu
         self.all_threads = cpu_threads or cores
         if self.overlap and not self.cuda:
             self.cpu_threads = cpu_threads or max(1, cores // 2)
@@ -454,7 +459,10 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, device: torch.
     placement: "popularity" | "random" | "all" | "none" | "fraction:<0..1>" | a Placement.
     popularity: a Popularity, a JSON path or None (uniform). latency_model: a LatencyModel, its dict, or
     None (calibrated on the spot by timing this executor's own paths). dtype: the model dtype (default:
-    the experts' dtype). overlap: run the CPU queue concurrently with the GPU side (default: on CUDA only)."""
+    the experts' dtype). overlap: run the CPU queue on a worker thread concurrently with the GPU side
+    (default: on CUDA; without CUDA for bf16/fp16, where the cores are split between the two queues, while
+    fp32 runs them serially with all cores, so results are bit-identical to a plain computation in the same
+    process: MKL's fp32 rounding depends on the thread count)."""
     device = torch.device(device)
     dtype = dtype or experts[0][0].w1.dtype
     if isinstance(placement, Placement):

@@ -366,14 +366,15 @@ class MoEExecutor:
         st.calls += 1
         ls.calls += 1
         st.routed_tokens += routed
-        for kind in KINDS:
-            n_tok, n_exp = plan.tokens(kind), len(plan.experts(kind))
-            st.tokens[kind] += n_tok
-            st.experts[kind] += n_exp
-            ls.tokens[kind] += n_tok
-            ls.experts[kind] += n_exp
-        st.predicted_s += plan.makespan
-        ls.predicted_s += plan.makespan
+        for n, kind in zip(plan.counts, plan.decisions):
+            if kind is not None:
+                st.tokens[kind] += n
+                st.experts[kind] += 1
+                ls.tokens[kind] += n
+                ls.experts[kind] += 1
+        span = plan.makespan
+        st.predicted_s += span
+        ls.predicted_s += span
         st.wall_s += wall
         ls.wall_s += wall
         st.cpu_queue_s += cpu_s

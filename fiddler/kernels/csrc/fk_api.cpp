@@ -313,18 +313,18 @@ void block_product(const Plan& p, const uint8_t* packed, int groups, int64_t k_p
     for (int64_t k0 = 0; k0 < k_pad; k0 += kChunkK) {
       const int64_t kpairs = std::min(kChunkK, k_pad - k0) / 2;
       const char* wk = reinterpret_cast<const char*>(blk + k0 / 2 * kBlockN * 4);
-      // Groups after the first reuse this chunk from L2 and are compute-bound: they also pull the
-      // next chunk (the following bytes of the stream) into L2, so the next first group does not
-      // wait for DRAM. Token groups have near-equal sizes (AMX: 32/16 rows, rows a multiple of 16).
+      // With several token groups the chunk is reused from L2 and the work is compute-bound, so
+      // each group also pulls its share of the next chunk (the following bytes of the stream) into
+      // cache: DRAM time hides under compute. Token groups have near-equal sizes (AMX: 32/16 rows,
+      // rows a multiple of 16).
       const int64_t chunk_lines = kpairs * kBlockN * 4 / 64;
-      const int64_t pf_lines = n_groups_t > 1 ? (chunk_lines + n_groups_t - 2) / (n_groups_t - 1) : 0;
+      const int64_t pf_lines = n_groups_t > 1 ? (chunk_lines + n_groups_t - 1) / n_groups_t : 0;
       for (int64_t gi = 0, t0 = 0; t0 < p.rows; ++gi) {
         int64_t m;
         if (p.amx) m = std::min<int64_t>(32, p.rows - t0);
         else m = (p.rows - t0 + (n_groups_t - gi) - 1) / (n_groups_t - gi);
-        const char* pf = wk + 64 * chunk_lines + (gi > 0 ? (gi - 1) * pf_lines * 64 : 0);
         p.ops->mk(reinterpret_cast<const uint16_t*>(wk), kpairs, x + t0 * ldx + k0, ldx, int(m),
-                  ag + t0 * kBlockN, k0 > 0, pf, gi > 0 ? pf_lines : 0);
+                  ag + t0 * kBlockN, k0 > 0, wk + 64 * (chunk_lines + gi * pf_lines), pf_lines);
         t0 += m;
       }
     }

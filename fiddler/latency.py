@@ -14,8 +14,9 @@ an environment description (bandwidths, TFLOP/s, cores, ISA, efficiency factors)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -45,18 +46,18 @@ class LatencyModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LatencyModel":
+    def from_dict(cls, d: dict[str, Any]) -> LatencyModel:
         return cls(**d)
 
     @classmethod
     def manual(cls, cpu: tuple[float, float], gpu: tuple[float, float], transfer: float,
-               gpu_floor: float = 0.0) -> "LatencyModel":
+               gpu_floor: float = 0.0) -> LatencyModel:
         """A hand-made model (tests, what-if studies): cpu=(a, b), gpu=(a, b), transfer seconds."""
         return cls(cpu[0], cpu[1], gpu[0], gpu[1], transfer, gpu_floor, source="manual")
 
     @classmethod
-    def from_hardware_spec(cls, spec: "HardwareSpec", config, dtype: torch.dtype = torch.bfloat16,
-                           cpu_threads: int | None = None) -> "LatencyModel":
+    def from_hardware_spec(cls, spec: HardwareSpec, config, dtype: torch.dtype = torch.bfloat16,
+                           cpu_threads: int | None = None) -> LatencyModel:
         """Costs of one expert of `config` on the machine `spec` describes (no measurement)."""
         size = torch.empty((), dtype=dtype).element_size()
         wbytes = config.expert_bytes(dtype)
@@ -121,7 +122,7 @@ class HardwareSpec:
         return _FLOPS_PER_CYCLE[self.cpu_isa]
 
     @classmethod
-    def from_environment(cls, env, **overrides) -> "HardwareSpec":
+    def from_environment(cls, env, **overrides) -> HardwareSpec:
         """From an environment description shaped like conf/environment/*.yaml (gpu.*, pcie.*, cpu.*),
         given as nested dicts or attribute objects (e.g. the runner's structured config)."""
         def get(obj, path, default=None):
@@ -176,7 +177,7 @@ def fit_roofline(points: Sequence[tuple[float, float]]) -> tuple[float, float, f
     error. Returns (a, b, floor)."""
     pts = sorted((float(s), float(t)) for s, t in points)
     best = None
-    for k in range(0, len(pts) - 1):
+    for k in range(len(pts) - 1):
         head, tail = pts[:k], pts[k:]
         floor = _median([t for _, t in head]) if head else 0.0
         a, b = fit_linear(tail)
@@ -215,8 +216,8 @@ def calibrate(cpu_fn: Callable[[int], Any], gpu_fn: Callable[[int], Any], copy_f
         return _CACHE[cache_key]
     t_start = time.perf_counter()
     counts = sorted({int(s) for s in token_counts if s > 0})
-    cpu_pts = [(s, best_time(lambda: cpu_fn(s), repeats)) for s in counts]
-    gpu_pts = [(s, best_time(lambda: gpu_fn(s), repeats)) for s in counts]
+    cpu_pts = [(s, best_time(lambda s=s: cpu_fn(s), repeats)) for s in counts]
+    gpu_pts = [(s, best_time(lambda s=s: gpu_fn(s), repeats)) for s in counts]
     copy_ts = []
     copy_fn()  # warm-up
     for _ in range(repeats):

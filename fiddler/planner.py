@@ -19,8 +19,8 @@ expert sizes). Planners only choose between b and c for non-resident experts; re
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 GPU, COPY, CPU = "a", "b", "c"
 KINDS = (GPU, COPY, CPU)

@@ -10,8 +10,9 @@ published files) compare on the same scale. Extra keys (``top_k``, ``source``) a
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -83,11 +84,11 @@ class Popularity:
 
     # ---- constructors / IO ----
     @classmethod
-    def uniform(cls, num_layers: int, num_experts: int, top_k: int = 2) -> "Popularity":
+    def uniform(cls, num_layers: int, num_experts: int, top_k: int = 2) -> Popularity:
         return cls([[1.0] * num_experts for _ in range(num_layers)], top_k=top_k, meta={"source": "uniform"})
 
     @classmethod
-    def for_config(cls, config, popularity=None) -> "Popularity":
+    def for_config(cls, config, popularity=None) -> Popularity:
         """`popularity` (a Popularity, a path or None for uniform), shape-checked against `config`."""
         if popularity is None:
             return cls.uniform(config.num_layers, config.num_experts, config.top_k)
@@ -96,7 +97,7 @@ class Popularity:
         return pop
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, top_k: int | None = None, source: str | None = None) -> "Popularity":
+    def from_dict(cls, d: dict[str, Any], *, top_k: int | None = None, source: str | None = None) -> Popularity:
         if "expert_popularity" not in d:
             raise ValueError(f"not a popularity profile: missing 'expert_popularity' (keys: {sorted(d)})")
         counts = d["expert_popularity"]
@@ -107,7 +108,7 @@ class Popularity:
         return cls(counts, top_k=k, total_input_tokens=d.get("total_input_tokens"), meta=meta)
 
     @classmethod
-    def load(cls, path: str | Path, *, top_k: int | None = None) -> "Popularity":
+    def load(cls, path: str | Path, *, top_k: int | None = None) -> Popularity:
         p = Path(path)
         with open(p) as f:
             return cls.from_dict(json.load(f), top_k=top_k, source=str(p))
@@ -137,7 +138,7 @@ class PopularityRecorder:
         self.tokens = 0  # tokens seen by layer 0 (each token passes every layer once)
 
     @classmethod
-    def for_config(cls, config) -> "PopularityRecorder":
+    def for_config(cls, config) -> PopularityRecorder:
         return cls(config.num_layers, config.num_experts, config.top_k)
 
     def record(self, layer: int, topk_idx: torch.Tensor) -> None:

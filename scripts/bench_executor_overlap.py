@@ -16,12 +16,12 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from fiddler.config import MoEConfig  # noqa: E402
-from fiddler.executor import build_executor  # noqa: E402
-from fiddler.latency import LatencyModel  # noqa: E402
-from fiddler.weights import ExpertWeights  # noqa: E402
+from fiddler.config import MoEConfig
+from fiddler.executor import build_executor
+from fiddler.latency import LatencyModel
+from fiddler.weights import ExpertWeights
 
 
 def main(argv=None) -> int:

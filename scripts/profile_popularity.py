@@ -23,9 +23,9 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # usable from a checkout without `pip install -e .`
 
-import torch  # noqa: E402
+import torch
 
-from fiddler import Engine  # noqa: E402
+from fiddler import Engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

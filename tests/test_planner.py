@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fiddler.latency import LatencyModel
-from fiddler.planner import COPY, CPU, GPU, EXACT_LIMIT, get_planner, plan_makespan, plan_paper, predict
+from fiddler.planner import COPY, CPU, EXACT_LIMIT, GPU, get_planner, plan_makespan, plan_paper, predict
 
 # cpu(s) = 1 ms/token + 10 ms; gpu(s) = 0.1 ms/token + 1 ms; transfer 20 ms.
 # Paper rule: b iff 20 + 1 + 0.1 s < 10 + s  <=>  s > 12.2

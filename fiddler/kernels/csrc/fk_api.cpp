@@ -247,10 +247,13 @@ Pool& pool() {
   return *p;
 }
 
-int thread_count(int requested, int64_t blocks, int64_t work_bytes) {
+// Threads for a region over `blocks` weight blocks of `weight_bytes` in total, for `tokens` tokens.
+int thread_count(int requested, int64_t blocks, int64_t weight_bytes, int64_t tokens) {
   int n = requested > 0 ? requested : (g_threads.load() > 0 ? g_threads.load() : available_cpus());
-  // below ~64 KiB of weights per thread the wake-up costs more than the split saves
-  n = int(std::min<int64_t>({int64_t(n), blocks, std::max<int64_t>(1, work_bytes >> 16)}));
+  // below ~64 KiB of weights per thread (~8 tokens' worth of work per byte counted once per 8
+  // tokens) the wake-up costs more than the split saves
+  const int64_t work = weight_bytes * std::max<int64_t>(1, tokens / 8);
+  n = int(std::min<int64_t>({int64_t(n), blocks, std::max<int64_t>(1, work >> 16)}));
   return std::max(1, n);
 }
 
@@ -403,7 +406,7 @@ FK_API int fk_pack(const uint16_t* const* ws, int groups, int64_t n, int64_t k, 
   if (reinterpret_cast<uintptr_t>(dst) % 64) return fail("fk_pack: destination is not 64-byte aligned");
   const int64_t k_pad = round_up(k, kAlignK), n_blocks = round_up(n, kBlockN) / kBlockN;
   const int64_t bb = block_bytes(k_pad);
-  const int nt = thread_count(threads, n_blocks, bytes);
+  const int nt = thread_count(threads, n_blocks, bytes, 1);
   pool().run(nt, [&](int tid, int nth) {
     for (int64_t nb = n_blocks * tid / nth; nb < n_blocks * (tid + 1) / nth; ++nb)
       for (int g = 0; g < groups; ++g) {
@@ -439,14 +442,14 @@ FK_API int fk_expert_ffn(const void* p13, const void* p2, int64_t hidden, int64_
   const auto* w13 = static_cast<const uint8_t*>(p13);
   const auto* w2 = static_cast<const uint8_t*>(p2);
 
-  run_blocks(p, w13, 2, nb_f, kp_h, xp, ldx, thread_count(threads, nb_f, 2 * nb_f * block_bytes(kp_h)),
+  run_blocks(p, w13, 2, nb_f, kp_h, xp, ldx, thread_count(threads, nb_f, 2 * nb_f * block_bytes(kp_h), tokens),
              [&](int64_t nb, const float* acc) {
                const float* a1 = acc;
                const float* a3 = acc + p.rows * kBlockN;
                for (int64_t t = 0; t < p.rows; ++t)
                  p.ops->silu_mul(a1 + t * kBlockN, a3 + t * kBlockN, kBlockN, h + t * ldh + nb * kBlockN);
              });
-  run_blocks(p, w2, 1, nb_h, kp_f, h, ldh, thread_count(threads, nb_h, nb_h * block_bytes(kp_f)),
+  run_blocks(p, w2, 1, nb_h, kp_f, h, ldh, thread_count(threads, nb_h, nb_h * block_bytes(kp_f), tokens),
              [&](int64_t nb, const float* acc) {
                const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
                for (int64_t t = 0; t < tokens; ++t)
@@ -465,7 +468,7 @@ FK_API int fk_linear(const void* packed, int64_t n, int64_t k, const uint16_t* x
   int64_t ldx;
   const uint16_t* xp = prepare_x(x, tokens, k, p.rows, kp, &ldx);
   run_blocks(p, static_cast<const uint8_t*>(packed), 1, n_blocks, kp, xp, ldx,
-             thread_count(threads, n_blocks, n_blocks * block_bytes(kp)),
+             thread_count(threads, n_blocks, n_blocks * block_bytes(kp), tokens),
              [&](int64_t nb, const float* acc) {
                const int64_t nv = std::min<int64_t>(kBlockN, n - nb * kBlockN);
                for (int64_t t = 0; t < tokens; ++t)

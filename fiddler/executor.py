@@ -45,6 +45,16 @@ def torch_expert(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w.w1)) * F.linear(x, w.w3), w.w2)
 
 
+def _host_memory_for(nbytes: int) -> bool:
+    """Whether packing another `nbytes` leaves at least as much again free (psutil; True if unknown)."""
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available >= 2 * nbytes
+    except Exception:  # noqa: BLE001 -- psutil missing: assume it fits
+        return True
+
+
 def _empty_expert(config, dtype, device) -> ExpertWeights:
     F_, H = config.intermediate_size, config.hidden_size
     return ExpertWeights(torch.empty(F_, H, dtype=dtype, device=device), torch.empty(F_, H, dtype=dtype, device=device),
@@ -125,7 +135,7 @@ class MoEExecutor:
     def __init__(self, config, experts: list[list[ExpertWeights]], *, device: torch.device, dtype: torch.dtype,
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None, has_gpu: bool,
                  cpu_threads: int | None = None, overlap: bool | None = None, use_kernel: bool | None = None,
-                 calibration_tokens: int = 128):
+                 calibration_tokens: int = 128, take_ownership: bool = False):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.placement, self.has_gpu = placement, has_gpu
         L, E = config.num_layers, config.num_experts
@@ -161,22 +171,37 @@ class MoEExecutor:
             self.gpu_side_threads = None
 
         # Host experts: kind b copies from here, kind c runs from here (or from its packed copy).
-        self.host = [[ExpertWeights(*(w if w.dtype == dtype else w.to(dtype) for w in (e.w1, e.w3, e.w2)))
-                      for e in layer] for layer in experts]
+        self.host: list[list[ExpertWeights | None]] = [
+            [ExpertWeights(*(w if w.dtype == dtype else w.to(dtype) for w in (e.w1, e.w3, e.w2))) for e in layer]
+            for layer in experts]
         k = _kernels()
         if use_kernel is None:
             use_kernel = True
         self.kernel = k if (use_kernel and k is not None and dtype == torch.bfloat16) else None
-        # Resident experts on the device (on a CPU device: the host tensors themselves, no copy).
+        # Resident experts on the device (on a CPU device: the host tensors themselves, no copy). Every
+        # expert the CPU may run is packed once for the kernel. The packed copy duplicates the weights,
+        # so host copies nobody needs are dropped: resident ones on CUDA, and all of them without a GPU
+        # (no kind b). With take_ownership the caller's list entries are cleared too, so the memory is
+        # freed expert by expert instead of doubling at peak.
         self.resident: list[list[ExpertWeights | None]] = [[None] * E for _ in range(L)]
         self.packed: list[list[Any]] = [[None] * E for _ in range(L)]
+        self.pack_skipped = 0  # experts left on the torch CPU path for lack of host memory
         for l in range(L):
             for e in range(E):
                 h = self.host[l][e]
                 if placement.resident[l][e]:
                     self.resident[l][e] = ExpertWeights(*(w.to(self.device) for w in (h.w1, h.w3, h.w2)))
-                elif self.kernel is not None:  # pack once every expert the CPU may run
-                    self.packed[l][e] = self.kernel.PackedExpert(h.w1, h.w3, h.w2)
+                    if self.cuda:
+                        self.host[l][e] = None
+                elif self.kernel is not None:
+                    if has_gpu and not _host_memory_for(self.expert_bytes):
+                        self.pack_skipped += 1  # kind b needs the HF-layout copy: keep it, skip packing
+                    else:
+                        self.packed[l][e] = self.kernel.PackedExpert(h.w1, h.w3, h.w2)
+                        if not has_gpu:
+                            self.host[l][e] = None
+                if take_ownership:
+                    experts[l][e] = None
 
         # Double buffer for copied-in experts (kind b), allocated once; its size is in the reservation.
         self.buffers: list[ExpertWeights] = []
@@ -217,6 +242,8 @@ class MoEExecutor:
             "planner": self.planner_name,
             "latency_model": self.latency_model.to_dict() if self.latency_model is not None else None,
             "cpu_expert_path": f"kernel:{k.isa()}" if k is not None else "torch",
+            "packed_experts": sum(p is not None for row in self.packed for p in row),
+            "pack_skipped_low_memory": self.pack_skipped,
             "overlap": self.overlap, "cpu_threads": self.cpu_threads, "gpu_side_threads": self.gpu_side_threads,
             "all_threads": self.all_threads, "copy_buffers": len(self.buffers), "expert_bytes": self.expert_bytes,
         }
@@ -392,6 +419,11 @@ class MoEExecutor:
         # Probe expert: a non-resident one if any (it is pre-packed), else layer 0 expert 0.
         pl, pe = next(((l, e) for l in range(self.config.num_layers) for e in range(self.config.num_experts)
                        if not self.placement.resident[l][e]), (0, 0))
+        host_tmp = self.host[pl][pe] is None  # a resident expert whose host copy was dropped (CUDA)
+        if host_tmp:
+            r = self.resident[pl][pe]
+            self.host[pl][pe] = ExpertWeights(*(w.to("cpu", copy=True).pin_memory() if self.cuda else w
+                                                for w in (r.w1, r.w3, r.w2)))
         packed_tmp = self.packed[pl][pe] is None and self.kernel is not None
         if packed_tmp:
             h = self.host[pl][pe]
@@ -446,6 +478,8 @@ class MoEExecutor:
         finally:
             if packed_tmp:
                 self.packed[pl][pe] = None
+            if host_tmp:
+                self.host[pl][pe] = None
             if buffers_tmp:
                 self.buffers = []
         self.reset_stats()  # calibration copies are not part of the workload
@@ -455,15 +489,22 @@ class MoEExecutor:
 def build_executor(config, experts: list[list[ExpertWeights]], *, device: torch.device, gpu_budget_bytes: int | None,
                    max_seq_len: int, max_batch: int, placement: str | Placement = "popularity", popularity=None,
                    planner: str = "makespan", latency_model=None, cpu_threads: int | None = None, seed: int = 0,
-                   dtype: torch.dtype | None = None, overlap: bool | None = None) -> MoEExecutor:
-    """The engine's expert executor. gpu_budget_bytes=None: no GPU, every expert runs on the CPU (kind c).
-    placement: "popularity" | "random" | "all" | "none" | "fraction:<0..1>" | a Placement.
-    popularity: a Popularity, a JSON path or None (uniform). latency_model: a LatencyModel, its dict, or
-    None (calibrated on the spot by timing this executor's own paths). dtype: the model dtype (default:
-    the experts' dtype). overlap: run the CPU queue on a worker thread concurrently with the GPU side
-    (default: on CUDA; without CUDA for bf16/fp16, where the cores are split between the two queues, while
-    fp32 runs them serially with all cores, so results are bit-identical to a plain computation in the same
-    process: MKL's fp32 rounding depends on the thread count)."""
+                   dtype: torch.dtype | None = None, overlap: bool | None = None,
+                   take_ownership: bool = False) -> MoEExecutor:
+    """The engine's expert executor.
+
+    gpu_budget_bytes: None = no GPU, every expert runs on the CPU (kind c). On a CPU device a budget makes
+      the CPU stand in for the GPU (emulation: same placement, plans, copies and combination).
+    placement: "popularity" | "random" (seeded) | "all" | "none" | "fraction:<0..1>" | a Placement.
+    popularity: a Popularity, a JSON path or None (uniform).
+    latency_model: a LatencyModel, its dict, or None (calibrated now by timing this executor's own paths).
+    dtype: the model dtype (default: the experts' dtype).
+    overlap: run the CPU queue on a worker thread concurrently with the GPU side. Default: on CUDA; on
+      a CPU device for bf16/fp16 (cores split between the queues), while fp32 runs the queues serially
+      with all cores, bit-identical to a plain computation (MKL's fp32 rounding depends on thread count).
+    take_ownership: clear the entries of `experts` as they are taken over, so host memory is freed expert
+      by expert instead of doubling at peak (the engine passes True; the list is unusable afterwards).
+    """
     device = torch.device(device)
     dtype = dtype or experts[0][0].w1.dtype
     if isinstance(placement, Placement):
@@ -474,4 +515,5 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, device: torch.
                    strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, **kw)
     return MoEExecutor(config, experts, device=device, dtype=dtype, placement=pl, planner=planner,
                        latency_model=latency_model, has_gpu=gpu_budget_bytes is not None, cpu_threads=cpu_threads,
-                       overlap=overlap, calibration_tokens=min(128, max_seq_len * max_batch))
+                       overlap=overlap, calibration_tokens=min(128, max_seq_len * max_batch),
+                       take_ownership=take_ownership)

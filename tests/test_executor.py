@@ -254,3 +254,17 @@ def test_cuda_all_kinds_with_streams(dtype):
     assert st.bytes_d2h_activations == st.tokens[CPU] * CFG.hidden_size * x.element_size()
     assert st.bytes_h2d_activations == st.bytes_d2h_activations
     check_stats(ex, idx.numel())
+
+
+def test_take_ownership_releases_host_copies():
+    experts = make_experts(dtype=torch.bfloat16)
+    keep = [[ExpertWeights(e.w1.clone(), e.w3.clone(), e.w2.clone()) for e in layer] for layer in experts]
+    ex = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=None, max_seq_len=64, max_batch=1,
+                        take_ownership=True)
+    assert all(e is None for layer in experts for e in layer)
+    if ex.kernel is not None:  # without a GPU the packed copies are all that is kept
+        assert all(h is None for layer in ex.host for h in layer) and ex.info()["packed_experts"] == 16
+    x, idx, w = routing(6, dtype=torch.bfloat16, seed=3)
+    ref = reference([ExpertWeights(e.w1.float(), e.w3.float(), e.w2.float()) for e in keep[0]], x.float(), idx,
+                    w.float())
+    torch.testing.assert_close(ex.forward(0, x, idx, w).float(), ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))

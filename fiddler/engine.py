@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from .config import MoEConfig
 from .generate import GenerationOutput, generate
-from .model import Linear, LocalExperts, MoETransformer, _kernels
+from .model import LocalExperts, MoETransformer, _kernels
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -70,14 +71,29 @@ def measure_memory_bandwidth() -> dict:
     return dict(_BANDWIDTH_CACHE["host"])
 
 
-def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(4, 16, 64, 256), repeats: int = 3) -> int:
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Temporarily set torch's intra-op thread count (None: leave it)."""
+    prev = torch.get_num_threads()
+    if n is not None and n != prev:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None and n != prev:
+            torch.set_num_threads(prev)
+
+
+def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(16, 32, 64, 128, 256), repeats: int = 3, floor: int = 8) -> int:
     """Largest token count at which the packed kernel still beats torch's matmul (oneDNN/AMX) on `weight`,
-    measured; beyond it Linear uses torch. Returns 0 if the kernel is slower even at the smallest count."""
+    measured with torch at one thread (the engine's setting while the kernel is active, see Engine);
+    beyond it Linear uses torch. At most `floor` tokens (decode, beams) the kernel is always used: that
+    is the memory-bound GEMV regime where torch's bf16 path streams at ~40% of the limit."""
     k = _kernels()
     if k is None:
         return 0
     packed = k.PackedLinear(weight)
-    best_n = 0
+    best_n = floor
     for n in candidates:
         x = torch.randn(n, weight.shape[1]).to(weight.dtype)
         tk = tt = float("inf")
@@ -102,6 +118,7 @@ class Engine:
         self._seed = seed
         self._generator = torch.Generator(device=device).manual_seed(seed)
         self._info = info
+        self._torch_threads: int | None = None  # torch intra-op threads while generating (None: unchanged)
 
     @classmethod
     def from_pretrained(
@@ -152,12 +169,18 @@ class Engine:
             latency_model=latency_model,
             cpu_threads=cpu_threads,
             seed=seed,
+            take_ownership=True,  # the executor may free host copies expert by expert (factories may ignore it)
         )
         model = MoETransformer(cfg, weights, executor, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, device=device)
         weights.experts = []  # the executor owns them now
         kernel_linears = any(l.packed is not None for l in model.linears())
+        # While the packed kernel runs the CPU linears (and the executor's CPU experts), torch keeps one
+        # intra-op thread: libgomp's workers spin for milliseconds after each parallel region, and two
+        # spinning pools on the same cores slowed decode 3x here. torch then only runs small ops.
+        torch_threads_in_run = 1 if kernel_linears else None
         if kernel_linears:
-            Linear.kernel_max_tokens = choose_kernel_max_tokens(model.layers[0][1].weight)
+            with torch_threads(1):
+                model.set_kernel_max_tokens(choose_kernel_max_tokens(model.layers[0][1].weight))
         k = _kernels()
         info = {
             "path": str(path),
@@ -172,13 +195,15 @@ class Engine:
             "planner": planner,
             "kernel_isa": k.isa() if k is not None else None,
             "kernel_linears": kernel_linears,
-            "kernel_max_tokens": Linear.kernel_max_tokens if kernel_linears else 0,
-            "torch_threads": torch.get_num_threads(),
+            "kernel_max_tokens": model.lm_head.kernel_max_tokens if kernel_linears else 0,
+            "torch_threads": torch_threads_in_run or torch.get_num_threads(),
             "load_s": time.perf_counter() - t_load,
         }
         if measure_bandwidth and device.type == "cpu":
             info["memory_bandwidth"] = measure_memory_bandwidth()
-        return cls(cfg, model, executor, dtype=dtype, device=device, seed=seed, info=info)
+        engine = cls(cfg, model, executor, dtype=dtype, device=device, seed=seed, info=info)
+        engine._torch_threads = torch_threads_in_run
+        return engine
 
     # ------------------------------------------------------------------ API
 
@@ -213,19 +238,20 @@ class Engine:
         gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         if hasattr(self.executor, "reset_stats"):
             self.executor.reset_stats()
-        out = generate(
-            self.model,
-            prompt,
-            max_new_tokens,
-            beam_width=beam_width,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=gen,
-            eos_token_id=eos_token_id,
-            on_first_token=on_first_token,
-        )
+        with torch_threads(self._torch_threads):
+            out = generate(
+                self.model,
+                prompt,
+                max_new_tokens,
+                beam_width=beam_width,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=gen,
+                eos_token_id=eos_token_id,
+                on_first_token=on_first_token,
+            )
         self._add_stats(out, prompt.shape[0], beam_width)
         return out
 
@@ -253,7 +279,8 @@ class Engine:
         prompt = self._prompt(input_ids)
         if prompt.shape[0] > self.model.max_seq_len:
             raise ValueError(f"prompt of {prompt.shape[0]} tokens exceeds max_seq_len={self.model.max_seq_len}")
-        return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
+        with torch_threads(self._torch_threads):
+            return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
 
     def info(self) -> dict:
         d = dict(self._info)

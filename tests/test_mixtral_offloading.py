@@ -338,3 +338,56 @@ def test_hqq_quantized_policy(tmp_path):
                         device="cpu").dequantize()
         assert torch.allclose(W, ref, atol=1e-6)
         assert (W - q).abs().max() < q.abs().max()  # a quantization of these weights, not of others
+
+
+# ---------------------------------------------------------------- config and CUDA
+
+def test_config_composes_and_checks_ranges():
+    from hydra import compose, initialize_config_dir
+
+    import runners  # noqa: F401  (registers schemas)
+    from runners.main import prepare
+    from runners.schema import ConfigError
+    from tests.test_harness import CONF
+
+    def cfg(*o):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("config", overrides=["system=mixtral_offloading", *o])
+
+    conf, _ = prepare(cfg())
+    assert (conf.system.cache_size, conf.system.prefetch, conf.system.prefetch_k, conf.system.quantize) == (
+        None, True, None, False)
+    assert conf.system.default_cache_size == DEFAULT_CACHE_SIZE
+    for bad, key in (("system.cache_size=0", "system.cache_size"), ("system.prefetch_k=0", "system.prefetch_k"),
+                     ("system.gpu_budget_gb=-1", "system.gpu_budget_gb")):
+        with pytest.raises(ConfigError, match=key):
+            prepare(cfg(bad))
+    with pytest.raises(Exception, match="prefetch_input"):
+        cfg("system.prefetch_input=tomorrow")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cuda_side_stream_copies(prefetch):
+    """On CUDA: pinned host experts, copies on a side stream ordered by events; logits equal transformers'
+    (fp32, to rounding), counts equal the LRU replay, and every slot holds its expert's bytes."""
+    arch = "e16k4_odd"
+    eng = engine(arch, cache_size=2, prefetch=prefetch, device="cuda")
+    ex = eng.executor
+    assert ex.cuda and ex.host[0][0][0].is_pinned()
+    ids = prompt(10, ARCHS[arch]["vocab_size"], seed=3)
+    with torch.no_grad():
+        ref = hf(arch)(ids[None]).logits[0].float()
+    got = eng.forward_logits(ids).cpu()
+    assert torch.allclose(got, ref, atol=1e-3, rtol=1e-3)
+    ex.start_trace()
+    eng.generate(ids, max_new_tokens=6, beam_width=2)
+    torch.cuda.synchronize()
+    expected, final = replay(ex.trace, ex.trace_start, 2)
+    fw = [x for x in expected if x[0] == "forward"]
+    assert [(ev["hits"], ev["misses"]) for ev in ex.trace if "topk_idx" in ev] == [(h, m) for _, h, m, _ in fw]
+    assert ex.cache_contents() == final
+    for l, od in enumerate(ex.lru):
+        for e, s in od.items():
+            assert all(torch.equal(a.cpu(), b) for a, b in zip(ex.slots[l][s], ex.host[l][e]))

@@ -48,8 +48,9 @@ class HFTransformersAdapter(SystemAdapter):
                 self.fired = False
 
             def __call__(self, input_ids, scores):
-                if not torch.isfinite(scores).all():  # a run with NaN/inf logits is an error, not a result
-                    raise FloatingPointError(f"non-finite logits at sequence length {input_ids.shape[1]}")
+                # NaN/+inf logits make a run an error, not a result (-inf is legitimate: masked tokens)
+                if torch.isnan(scores).any() or torch.isposinf(scores).any():
+                    raise FloatingPointError(f"non-finite logits (NaN/inf) at sequence length {input_ids.shape[1]}")
                 if not self.fired:
                     self.fired = True
                     on_first_token()

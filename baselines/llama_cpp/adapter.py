@@ -1,0 +1,184 @@
+"""``system=llama_cpp``: the real llama.cpp (via llama-cpp-python) on the run's own checkpoint.
+
+The run's Hugging Face checkpoint is converted to GGUF with llama.cpp's converter (cached, keyed
+by the checkpoint's content hash and the quant type), loaded through llama.cpp's C API, and fed
+the request's token ids directly (no re-tokenising). Greedy decoding produces exactly
+``max_new_tokens`` argmax tokens (end-of-sequence is an ordinary token); ``beam_width > 1`` runs
+:func:`baselines.llama_cpp.beam.beam_search` on llama.cpp's KV-cache sequences.
+
+Options (``conf/system/llama_cpp.yaml``):
+
+- ``quant``: ``bf16`` (default), ``f32``, ``f16``, ``q8_0`` (written by the converter) or a
+  quantizer type (``q4_0``, ``q4_k_m``, ... see :data:`convert.SUPPORTED_QUANTS`);
+- ``n_gpu_layers``: layers offloaded to the GPU (llama.cpp's ``-ngl``; -1 = all). Needs a GPU build
+  of llama-cpp-python; 0 on CPU;
+- ``n_cpu_moe``: keep the expert FFN tensors of the first N layers in host memory (llama.cpp's
+  ``--n-cpu-moe``), implemented with ``tensor_buft_overrides``;
+- ``n_ctx``: KV-cache cells; null = derived from the request (prompt + beams x new tokens);
+- ``n_batch``: prompt tokens per ``llama_decode`` (also the micro-batch);
+- ``flash_attn``: auto | on | off; ``threads``: null = the environment's thread count;
+- ``converter_dir``: a llama.cpp source tree holding ``convert_hf_to_gguf.py`` (null = fetched);
+- ``verbose``: print llama.cpp's log.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from baselines.base import GenerationRequest, GenerationResult, SystemAdapter, SystemUnavailable
+
+from . import convert
+
+DEFAULTS: dict[str, Any] = {
+    "quant": "bf16",
+    "n_gpu_layers": 0,
+    "n_cpu_moe": 0,
+    "n_ctx": None,
+    "n_batch": 512,
+    "flash_attn": "auto",
+    "threads": None,
+    "converter_dir": None,
+    "verbose": False,
+}
+#: KV-cache sequences of a fresh context (beam widths up to this need no context rebuild)
+DEFAULT_SEQS = 16
+#: KV-cache cells of a fresh context when n_ctx is null (grown on demand by a larger request)
+DEFAULT_CTX = 4096
+
+
+def _round_up(n: int, m: int = 256) -> int:
+    return (n + m - 1) // m * m
+
+
+def parse_system_info(text: str) -> dict[str, Any]:
+    """``"CPU : AVX512 = 1 | AMX_INT8 = 0 | ..."`` -> {"AVX512": 1, "AMX_INT8": 0, ...}."""
+    feats: dict[str, Any] = {}
+    for name, val in re.findall(r"([A-Za-z0-9_]+) = ([^|]+?)\s*(?=\||$)", text):
+        val = val.strip()
+        feats[name] = int(val) if val.isdigit() else val
+    return feats
+
+
+class LlamaCppAdapter(SystemAdapter):
+    token_accounting = "returned_sequence"
+
+    def __init__(self, options, model, ctx):
+        unknown = set(options or {}) - set(DEFAULTS) - {"name", "adapter"}
+        if unknown:
+            raise ValueError(f"unknown llama_cpp option(s): {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        merged = {**DEFAULTS, **{k: v for k, v in (options or {}).items() if k in DEFAULTS}}
+        super().__init__(merged, model, ctx)
+        o = self.options
+        o["quant"] = str(o["quant"]).lower()
+        if o["quant"] not in convert.SUPPORTED_QUANTS:
+            raise ValueError(f"llama_cpp quant {o['quant']!r} is not supported; choose one of "
+                             f"{', '.join(convert.SUPPORTED_QUANTS)}")
+        if o["flash_attn"] not in ("auto", "on", "off"):
+            raise ValueError(f"llama_cpp flash_attn must be auto, on or off, not {o['flash_attn']!r}")
+        if int(o["n_gpu_layers"]) < -1:
+            raise ValueError("llama_cpp n_gpu_layers must be >= -1 (-1 = all layers)")
+        if int(o["n_cpu_moe"]) < 0:
+            raise ValueError("llama_cpp n_cpu_moe must be >= 0")
+        if int(o["n_batch"]) < 1:
+            raise ValueError("llama_cpp n_batch must be >= 1")
+        if o["n_ctx"] is not None and int(o["n_ctx"]) < 1:
+            raise ValueError("llama_cpp n_ctx must be null or >= 1")
+        self.threads = int(o["threads"] or ctx.threads or 1)
+        self.llm = None
+        self.gguf_path = None
+        self._lc = None
+
+    # ------------------------------------------------------------------------------------------
+    def load(self) -> None:
+        try:
+            import llama_cpp
+        except ImportError as exc:
+            raise SystemUnavailable(f"llama-cpp-python is not installed: {exc}; install the extra: "
+                                    f"{convert.EXTRA_HINT}") from exc
+        except OSError as exc:  # the shared library failed to load
+            raise SystemUnavailable(f"llama-cpp-python's shared library failed to load: {exc}") from exc
+        self._lc = llama_cpp
+        o = self.options
+        ngl = int(o["n_gpu_layers"])
+        if ngl != 0 and not llama_cpp.llama_supports_gpu_offload():
+            raise SystemUnavailable(
+                f"n_gpu_layers={ngl} needs a GPU build of llama-cpp-python (this one is CPU-only); "
+                f"rebuild with CMAKE_ARGS=\"-DGGML_CUDA=ON\" or set system.n_gpu_layers=0")
+        from .engine import LlamaCppModel, LoadParams
+
+        self.gguf_path = convert.ensure_gguf(self.model.path, o["quant"], self.ctx.cache_dir,
+                                             o["converter_dir"], self.threads)
+        n_ctx = int(o["n_ctx"]) if o["n_ctx"] is not None else DEFAULT_CTX
+        params = LoadParams(threads=self.threads, n_ctx=n_ctx, n_batch=int(o["n_batch"]),
+                            n_seq_max=DEFAULT_SEQS, n_gpu_layers=ngl, n_cpu_moe=int(o["n_cpu_moe"]),
+                            flash_attn=o["flash_attn"], verbose=bool(o["verbose"]))
+        self.llm = LlamaCppModel(self.gguf_path, params)
+        if o["n_ctx"] is None and self.llm.n_ctx > self.llm.n_ctx_train > 0:
+            self.llm.new_context(_round_up(self.llm.n_ctx_train), DEFAULT_SEQS)
+
+    def _ensure_context(self, request: GenerationRequest) -> bool:
+        """Grow the context if the request needs more cells or sequences. True if rebuilt."""
+        width = max(1, int(request.beam_width))
+        need = len(request.input_ids) + width * int(request.max_new_tokens) + 1
+        if self.options["n_ctx"] is not None:
+            if need > self.llm.n_ctx:
+                raise ValueError(f"request needs {need} KV-cache cells but system.n_ctx={self.llm.n_ctx}")
+            if width > self.llm.n_seq_max:
+                self.llm.new_context(self.llm.n_ctx, width)
+                return True
+            return False
+        if need > self.llm.n_ctx or width > self.llm.n_seq_max:
+            self.llm.new_context(max(_round_up(need), self.llm.n_ctx), max(width, self.llm.n_seq_max))
+            return True
+        return False
+
+    def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
+        if self.llm is None:
+            raise RuntimeError("LlamaCppAdapter.generate called before load()")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        bad = [t for t in request.input_ids if not 0 <= int(t) < self.llm.n_vocab]
+        if bad:
+            raise ValueError(f"token ids outside the GGUF vocabulary (size {self.llm.n_vocab}): {bad[:5]}")
+        rebuilt = self._ensure_context(request)
+        stats: dict[str, Any] = {"context_rebuilt": rebuilt, "n_ctx": self.llm.n_ctx}
+        if request.beam_width <= 1:
+            tokens = self.llm.greedy(request.input_ids, request.max_new_tokens, on_first_token)
+            stats["decoded_tokens"] = len(request.input_ids) + len(tokens) - 1
+        else:
+            from .beam import beam_search
+
+            res = beam_search(self.llm, request.input_ids, request.max_new_tokens, request.beam_width,
+                              on_first_token)
+            tokens = res.tokens
+            stats.update(beam_score=res.score, beam_logprob=res.logprob, decoded_tokens=res.decoded_tokens)
+        return GenerationResult(tokens=tokens, stats=stats)
+
+    def teacher_forced_logits(self, input_ids: list[int]):
+        """[len(input_ids), vocab] float32 logits of every position (for numerical checks)."""
+        self._ensure_context(GenerationRequest(input_ids=list(input_ids), max_new_tokens=1))
+        self.llm.clear()
+        return self.llm.prefill(list(input_ids), all_logits=True)
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"options": dict(self.options), "threads": self.threads}
+        try:
+            out["llama_cpp_python_version"] = convert.llama_cpp_python_version()
+        except SystemUnavailable:
+            return out
+        if self._lc is not None:
+            sysinfo = self._lc.llama_print_system_info()
+            sysinfo = sysinfo.decode(errors="replace") if isinstance(sysinfo, bytes) else str(sysinfo)
+            out["system_info"] = sysinfo.strip()
+            out["build_features"] = parse_system_info(sysinfo)
+            out["supports_gpu_offload"] = bool(self._lc.llama_supports_gpu_offload())
+        if self.llm is not None:
+            out.update(self.llm.describe())
+        out["beam_search"] = "baselines.llama_cpp.beam (llama_memory_seq_cp per beam, unified KV cache)"
+        out["tokens"] = "request token ids fed directly (no re-tokenising); EOS ignored"
+        return out
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None

@@ -1,0 +1,274 @@
+"""Hugging Face checkpoint -> GGUF, with llama.cpp's own converter and quantizer.
+
+The converter (``convert_hf_to_gguf.py`` plus its sibling ``conversion/`` package and the vendored
+``gguf-py``) ships only in llama-cpp-python's *source* distribution, not in the wheel, and this
+project does not copy llama.cpp's code. So the converter is located, in this order:
+
+1. ``converter_dir`` argument / ``FIDDLER_LLAMA_CPP_CONVERTER`` environment variable: a llama.cpp
+   source tree (or any directory holding ``convert_hf_to_gguf.py`` and its siblings);
+2. the per-user cache ``<cache root>/llama_cpp_converter/<llama-cpp-python version>`` where the cache
+   root is ``$FIDDLER_CACHE`` (the runner's ``cache_dir`` default), else ``~/.cache/fiddler``;
+3. otherwise it is fetched into that cache with ``pip download`` of the sdist that matches the
+   installed llama-cpp-python version, and only the converter files are extracted.
+
+``python -m baselines.llama_cpp.convert --fetch`` does step 3 ahead of time (install step);
+``python -m baselines.llama_cpp.convert MODEL_DIR --quant bf16`` converts by hand.
+
+Outputs are cached under ``<cache_dir>/llama_cpp/gguf/<content hash>-<quant>.gguf`` where the hash
+covers every file of the checkpoint directory and the llama-cpp-python version (a different
+converter may write a different file).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from baselines.base import SystemUnavailable
+
+EXTRA_HINT = 'pip install -e ".[llamacpp]" (see README, "llama.cpp baseline", for the CMAKE_ARGS)'
+
+#: quant types llama.cpp's HF converter writes directly
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+#: quant types produced by llama.cpp's quantizer (``llama_model_quantize``) from a bf16 GGUF;
+#: values are the names of the ``LLAMA_FTYPE_MOSTLY_*`` constants of llama_cpp.
+#: Types that need an importance matrix (IQ1/IQ2/IQ3 families, Q2_K_S) are deliberately absent.
+QUANTIZER_TYPES = {
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+    "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+    "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+    "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+    "q3_k_s": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+    "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "q3_k_l": "LLAMA_FTYPE_MOSTLY_Q3_K_L",
+    "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q5_k_s": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+    "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+}
+
+SUPPORTED_QUANTS = CONVERTER_TYPES + tuple(QUANTIZER_TYPES)
+
+_CONVERTER_FILES = ("convert_hf_to_gguf.py",)
+_CONVERTER_DIRS = ("conversion", "gguf-py")  # conversion/ exists from llama.cpp ~b8000 on
+
+
+class GGUFConversionError(RuntimeError):
+    """The checkpoint could not be converted to / quantized as GGUF (first line says why)."""
+
+
+def llama_cpp_python_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError as exc:
+        raise SystemUnavailable(f"llama-cpp-python is not installed; install the extra: {EXTRA_HINT}") from exc
+
+
+def _user_cache_root() -> Path:
+    """The project's cache root: $FIDDLER_CACHE, else $XDG_CACHE_HOME/fiddler, else ~/.cache/fiddler."""
+    if os.environ.get("FIDDLER_CACHE"):
+        return Path(os.environ["FIDDLER_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fiddler"
+
+
+def _is_converter_dir(path: Path) -> bool:
+    return (path / "convert_hf_to_gguf.py").is_file() and (path / "gguf-py").is_dir()
+
+
+def default_converter_dir(version: str | None = None) -> Path:
+    return _user_cache_root() / "llama_cpp_converter" / (version or llama_cpp_python_version())
+
+
+def fetch_converter(dest: Path, version: str, quiet: bool = True) -> Path:
+    """Download llama-cpp-python==version's sdist with pip and extract the converter into dest."""
+    from filelock import FileLock
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + ".lock"):
+        if _is_converter_dir(dest):
+            return dest
+        with tempfile.TemporaryDirectory(prefix="llama_cpp_sdist_") as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
+                   "--disable-pip-version-check", "-d", tmp, f"llama-cpp-python=={version}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            sdists = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            if proc.returncode != 0 or not sdists:
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+                raise SystemUnavailable(
+                    f"llama.cpp's HF->GGUF converter is not available: could not download the "
+                    f"llama-cpp-python=={version} source distribution that contains it (no network?). "
+                    f"Run `python -m baselines.llama_cpp.convert --fetch` on a machine with network and copy "
+                    f"{dest} here, or point FIDDLER_LLAMA_CPP_CONVERTER at a llama.cpp source tree.\n{tail}")
+            staging = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+            _extract_converter(sdists[0], staging)
+            if not _is_converter_dir(staging):
+                raise SystemUnavailable(f"{sdists[0].name} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
+            os.replace(staging, dest)
+    return dest
+
+
+def _extract_converter(sdist: Path, out: Path) -> None:
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = []
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            # <top>/vendor/llama.cpp/<rel...>
+            if len(parts) < 4 or parts[1:3] != ("vendor", "llama.cpp"):
+                continue
+            rel = parts[3:]
+            if (len(rel) == 1 and rel[0] in _CONVERTER_FILES) or rel[0] in _CONVERTER_DIRS or rel[0] == "LICENSE":
+                if not (m.isfile() or m.isdir()):
+                    continue
+                m = copy.copy(m)
+                m.name = str(Path(*rel))
+                members.append(m)
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(out, members=members, **kwargs)
+
+
+def find_converter(converter_dir: str | os.PathLike | None = None, fetch: bool = True) -> Path:
+    """Directory holding convert_hf_to_gguf.py, fetched on first use (see module docstring)."""
+    explicit = converter_dir or os.environ.get("FIDDLER_LLAMA_CPP_CONVERTER")
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not _is_converter_dir(path):
+            raise SystemUnavailable(
+                f"{path} is not a llama.cpp converter directory (needs convert_hf_to_gguf.py and gguf-py/)")
+        return path
+    version = llama_cpp_python_version()
+    dest = default_converter_dir(version)
+    if _is_converter_dir(dest):
+        return dest
+    if not fetch:
+        raise SystemUnavailable(f"llama.cpp converter not found at {dest}; run `python -m baselines.llama_cpp.convert --fetch`")
+    return fetch_converter(dest, version)
+
+
+def checkpoint_hash(model_dir: str | os.PathLike) -> str:
+    """sha256 over the names and contents of every regular file in the checkpoint directory."""
+    root = Path(model_dir)
+    files = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise GGUFConversionError(f"GGUF conversion failed: {root} holds no files")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _first_error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):  # the last exception line or logger error is the most specific
+        if "Error" in ln or "error" in ln.lower() or "not supported" in ln:
+            return ln
+    return lines[-1] if lines else "(no output)"
+
+
+def run_converter(model_dir: Path, out: Path, outtype: str, converter: Path) -> None:
+    """Run llama.cpp's converter in a subprocess (own memory, own imports of the vendored gguf-py)."""
+    cmd = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(model_dir),
+           "--outfile", str(out), "--outtype", outtype]
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not out.is_file():
+        log = (proc.stderr or "") + (proc.stdout or "")
+        reason = _first_error_line(log)
+        if "is not supported" in reason:
+            raise SystemUnavailable(f"llama.cpp cannot represent this checkpoint: {reason}")
+        tail = "\n".join(log.strip().splitlines()[-15:])
+        raise GGUFConversionError(
+            f"GGUF conversion of {model_dir} failed: {reason}\n"
+            f"command: {' '.join(cmd)}\n--- converter output (tail) ---\n{tail}")
+
+
+def quantize(src: Path, out: Path, quant: str, threads: int) -> None:
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, QUANTIZER_TYPES[quant], None)
+    if ftype is None:
+        raise SystemUnavailable(f"the installed llama-cpp-python has no {QUANTIZER_TYPES[quant]}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = max(1, threads)
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    if rc != 0 or not out.is_file():
+        raise GGUFConversionError(f"GGUF quantization to {quant} failed: llama_model_quantize returned {rc} for {src}")
+
+
+def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.PathLike,
+                converter_dir: str | os.PathLike | None = None, threads: int = 1) -> Path:
+    """The GGUF of ``model_dir`` in ``quant``, converted (and quantized) once and cached."""
+    from filelock import FileLock
+
+    quant = quant.lower()
+    if quant not in SUPPORTED_QUANTS:
+        raise ValueError(f"llama_cpp quant {quant!r} is not supported; choose one of {', '.join(SUPPORTED_QUANTS)}")
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise GGUFConversionError(f"GGUF conversion failed: {model_dir} is not a Hugging Face checkpoint (no config.json)")
+    key = hashlib.sha256(f"{checkpoint_hash(model_dir)}|llama-cpp-python={llama_cpp_python_version()}".encode()).hexdigest()[:20]
+    out_dir = Path(cache_dir) / "llama_cpp" / "gguf"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{key}-{quant}.gguf"
+    with FileLock(str(out) + ".lock"):
+        if out.is_file():
+            return out
+        if quant in CONVERTER_TYPES:
+            converter = find_converter(converter_dir)
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            try:
+                run_converter(model_dir, tmp, quant, converter)
+                os.replace(tmp, out)
+            finally:
+                tmp.unlink(missing_ok=True)
+        else:
+            src = ensure_gguf(model_dir, "bf16", cache_dir, converter_dir, threads)
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            try:
+                quantize(src, tmp, quant, threads)
+                os.replace(tmp, out)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", nargs="?", help="Hugging Face checkpoint directory to convert")
+    ap.add_argument("--fetch", action="store_true", help="fetch llama.cpp's converter into the user cache and exit")
+    ap.add_argument("--quant", default="bf16", choices=SUPPORTED_QUANTS)
+    ap.add_argument("--cache-dir", default=str(_user_cache_root()))
+    ap.add_argument("--converter-dir", default=None)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    if args.fetch:
+        print(find_converter(args.converter_dir))
+        if not args.model_dir:
+            return 0
+    if not args.model_dir:
+        ap.error("model_dir is required unless --fetch is given")
+    print(ensure_gguf(args.model_dir, args.quant, args.cache_dir, args.converter_dir, args.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,7 +32,7 @@ class Linear:
     at ~40% of the memory limit); otherwise, and for token counts above `kernel_max_tokens` where
     oneDNN/AMX matmul may win (decided by measurement, see `choose_kernel_max_tokens`), torch."""
 
-    kernel_max_tokens: int = 1 << 30  # class-wide; the Engine sets it from a measurement
+    kernel_max_tokens: int = 1 << 30  # default; the Engine sets it per model from a measurement
 
     def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None):
         self.weight = weight
@@ -43,7 +43,7 @@ class Linear:
         self.threads: int | None = None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= Linear.kernel_max_tokens:
+        if self.packed is not None and x.shape[0] <= self.kernel_max_tokens:
             return self.packed.forward(x, threads=self.threads, out_dtype=out_dtype or x.dtype)
         y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
@@ -194,6 +194,10 @@ class MoETransformer:
 
     def linears(self) -> list[Linear]:
         return [self.lm_head] + [m for layer in self.layers for m in layer if isinstance(m, Linear)]
+
+    def set_kernel_max_tokens(self, n: int):
+        for lin in self.linears():
+            lin.kernel_max_tokens = n
 
     def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, q_proj, k_proj, v_proj, o_proj):
         cfg = self.cfg

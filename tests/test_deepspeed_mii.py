@@ -123,7 +123,6 @@ def _child(model: str, work: str) -> None:
     import torch
 
     from baselines.deepspeed_mii.adapter import DeepSpeedAdapter
-    from baselines.hf_transformers.adapter import HFTransformersAdapter
 
     cuda = torch.cuda.is_available()
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=cuda, cache_dir=work)
@@ -141,10 +140,18 @@ def _child(model: str, work: str) -> None:
         res["first_token_calls"] = calls
         return res
 
-    ref = HFTransformersAdapter({}, ModelSpec("tiny", model, "float32"), ctx)
-    ref.load()
-    out["reference"] = run(ref)
-    ref.close()
+    # the reference: plain transformers generate with the hf_transformers adapter's arguments
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out["reference"] = {}
+    for key, beams in (("greedy", 1), ("beam", 2)):
+        with torch.no_grad():
+            seq = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, num_beams=beams, early_stopping=False, pad_token_id=0)
+        out["reference"][key] = seq[0, ids.shape[1]:].tolist()
+    del ref
 
     for engine, dtype in (("mii", "bfloat16"), ("zero_offload", "float32")):
         ad = DeepSpeedAdapter({"engine": engine}, ModelSpec("tiny", model, dtype), ctx)

@@ -191,3 +191,27 @@ def test_bf16_logits_within_tolerance(arch, variant, seed):
     err_engine = (got - ref32).abs().mean()
     err_hf = (ref - ref32).abs().mean()
     assert err_engine <= 1.25 * err_hf + 1e-3 * scale
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_cuda_fp32_greedy_and_beam_match_transformers(fraction):
+    """On a GPU: non-expert weights on the device, a share of experts resident, the rest copied or run on
+    the CPU as planned; results must still be transformers' (fp32)."""
+    arch = "e16k4_odd"
+    cfg = ARCHS[arch]
+    budget = 256 << 20  # far above non-expert weights + KV cache of the test model; placement decides residency
+    e = Engine.from_pretrained(
+        model_path(arch), dtype=torch.float32, device="cuda", gpu_budget_bytes=budget,
+        placement=f"fraction:{fraction}", measure_bandwidth=False,
+    )
+    ids = prompt(12, cfg["vocab_size"], seed=2)
+    ref = hf(arch, torch.float32).generate(ids[None], max_new_tokens=32, do_sample=False)[0, 12:]
+    assert e.generate(ids, max_new_tokens=32).tokens.tolist() == ref.tolist()
+    ref = hf(arch, torch.float32).generate(
+        ids[None], max_new_tokens=16, num_beams=4, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
+    out = e.generate(ids, max_new_tokens=16, beam_width=4)
+    assert out.tokens.tolist() == ref.sequences[0, 12:].tolist()
+    assert out.sequences_scores == pytest.approx(float(ref.sequences_scores[0]), abs=1e-4)

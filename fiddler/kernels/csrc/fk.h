@@ -1,23 +1,25 @@
 // Shared declarations of the Fiddler CPU kernel library.
 //
 // Packed weight layout (one layout for every ISA path, so an expert is packed once):
-// a matrix W[N][K] (Hugging Face nn.Linear layout, bf16) is cut into blocks of kBlockN = 64 rows;
-// inside a block, for each pair of columns kp (k = 2kp, 2kp+1) the 64 rows store their two values
-// next to each other:  block[kp][n][e] = W[nb*64 + n][2*kp + e], zero outside the matrix.
-// So a block is one contiguous stream, a 64-byte piece of a kp row is exactly the operand of
-// vdpbf16ps (16 rows x one column pair), and 16 kp rows x 64 bytes is an AMX B tile (stride 256).
+// a matrix W[N][K] (Hugging Face nn.Linear layout, bf16) is cut into blocks of kBlockN = 32 rows;
+// inside a block, for each pair of columns kp (k = 2kp, 2kp+1) the 32 rows store their two values
+// next to each other:  block[kp][n][e] = W[nb*32 + n][2*kp + e], zero outside the matrix.
+// So a block is one contiguous stream, a 128-byte kp row is two vdpbf16ps operands (16 rows x one
+// column pair each), and 16 kp rows x 64 bytes is an AMX B tile (row stride 128).
 // `groups` matrices with the same shape (W1 and W3 of an expert) are interleaved block by block:
 // packed[nb][g] so that the fused gate/up pass reads a single stream.
 // K is padded to a multiple of kAlignK (the AMX tile depth), N to a multiple of kBlockN.
+// 32 rows (not 64) because 2 weight registers leave room for 12 tokens' accumulators: up to 12
+// tokens stream the weights in a single pass.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 namespace fk {
 
-constexpr int kBlockN = 64;        // rows per packed block
+constexpr int kBlockN = 32;        // rows per packed block
 constexpr int kAlignK = 32;        // K padding (one AMX tile = 32 bf16 of depth)
-constexpr int64_t kChunkK = 2048;  // K chunk: a 64 x 2048 bf16 weight piece (256 KiB) stays in L2
+constexpr int64_t kChunkK = 4096;  // K chunk: a 32 x 4096 bf16 weight piece (256 KiB) stays in L2
                                    // while it is reused by every token group
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -42,8 +44,8 @@ inline uint16_t f32_to_bf16(float f) {
 struct IsaOps {
   const char* name;
   int mr;  // tokens per micro-kernel call (the AMX path needs multiples of 16 with padded rows)
-  // acc[m][64] (+)= sum_{kp < kpairs} w[kp][n][0..1] . x[m][2kp..2kp+1]   for m < mr_used
-  // w: packed block, already offset to the first kp; x row stride ldx elements; acc row stride 64.
+  // acc[m][32] (+)= sum_{kp < kpairs} w[kp][n][0..1] . x[m][2kp..2kp+1]   for m < mr_used
+  // w: packed block, already offset to the first kp; x row stride ldx elements; acc row stride 32.
   // pf/pf_lines: cache lines (64 B) to pull into L2 along the way (the next weight chunk, while this
   // one is reused from L2 by later token groups); paths may ignore it.
   void (*mk)(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,

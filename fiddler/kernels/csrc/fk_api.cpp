@@ -263,7 +263,7 @@ T* scratch(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
-thread_local std::vector<float> t_acc;      // per thread: [groups][rows][64] fp32 accumulators
+thread_local std::vector<float> t_acc;      // per thread: [groups][rows][kBlockN] fp32 accumulators
 thread_local std::vector<uint16_t> t_x;     // per caller: padded copy of x
 thread_local std::vector<uint16_t> t_h;     // per caller: expert hidden activations
 
@@ -304,7 +304,7 @@ const uint16_t* prepare_x(const uint16_t* x, int64_t tokens, int64_t k, int64_t 
   return buf;
 }
 
-// acc[g][rows][64] = x[rows][:] . W_g[block nb]^T for each of the `groups` interleaved matrices.
+// acc[g][rows][kBlockN] = x[rows][:] . W_g[block nb]^T for each of the `groups` interleaved matrices.
 void block_product(const Plan& p, const uint8_t* packed, int groups, int64_t k_pad, int64_t nb,
                    const uint16_t* x, int64_t ldx, float* acc) {
   const int64_t bb = block_bytes(k_pad);

@@ -12,50 +12,42 @@
 namespace fk {
 namespace {
 
-constexpr int kMr = 4;  // 4 tokens x 16 rows = 8 accumulators (of 16 ymm registers)
+constexpr int kMr = 2;  // 2 tokens x 32 rows = 8 ymm accumulators (of 16 registers)
 
+// acc[M][32] (+)= W[kp][32][2] . x[M][2kp..]: a 128-byte kp row is 4 registers of 8 rows' pairs.
 template <int M>
-void mk16(const char* wp, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
-          bool accumulate) {
-  // 16 rows (bytes [0, 64) of each 256-byte kp row, wp already offset to the 16-row slice)
-  __m256 c[M][2];
+void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
+        bool accumulate) {
+  __m256 c[M][4];
   for (int t = 0; t < M; ++t)
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < 4; ++j)
       c[t][j] = accumulate ? _mm256_loadu_ps(acc + t * kBlockN + 8 * j) : _mm256_setzero_ps();
   const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
-  for (int64_t kp = 0; kp < kpairs; ++kp, wp += 256) {
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi_mask));
+  const char* wp = reinterpret_cast<const char*>(w);
+  for (int64_t kp = 0; kp < kpairs; ++kp, wp += 128) {
+    __m256 xe[M], xo[M];
     for (int t = 0; t < M; ++t) {
       int pair;
       __builtin_memcpy(&pair, x + t * ldx + 2 * kp, 4);
       const __m256i p = _mm256_set1_epi32(pair);
-      const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-      const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask));
-      c[t][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, c[t][0]));
-      c[t][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, c[t][1]));
+      xe[t] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+      xo[t] = _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + 32 * j));
+      const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+      for (int t = 0; t < M; ++t) c[t][j] = _mm256_fmadd_ps(o, xo[t], _mm256_fmadd_ps(e, xe[t], c[t][j]));
     }
   }
   for (int t = 0; t < M; ++t)
-    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(acc + t * kBlockN + 8 * j, c[t][j]);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + t * kBlockN + 8 * j, c[t][j]);
 }
 
 void mk_avx2(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
              float* acc, bool accumulate, const char*, int64_t) {
-  const char* wp = reinterpret_cast<const char*>(w);
-  // four 16-row slices of the block; the K chunk stays in L2 between slices
-  for (int s = 0; s < 4; ++s) {
-    switch (m) {
-      case 1: mk16<1>(wp + 64 * s, kpairs, x, ldx, acc + 16 * s, accumulate); break;
-      case 2: mk16<2>(wp + 64 * s, kpairs, x, ldx, acc + 16 * s, accumulate); break;
-      case 3: mk16<3>(wp + 64 * s, kpairs, x, ldx, acc + 16 * s, accumulate); break;
-      default: mk16<4>(wp + 64 * s, kpairs, x, ldx, acc + 16 * s, accumulate); break;
-    }
-  }
+  if (m == 1) mk<1>(w, kpairs, x, ldx, acc, accumulate);
+  else mk<2>(w, kpairs, x, ldx, acc, accumulate);
 }
 
 inline __m256 exp_ps(__m256 x) {

@@ -16,7 +16,8 @@ Options (``conf/system/llama_cpp.yaml``):
   ``--n-cpu-moe``), implemented with ``tensor_buft_overrides``;
 - ``n_ctx``: KV-cache cells; null = derived from the request (prompt + beams x new tokens);
 - ``n_batch``: prompt tokens per ``llama_decode`` (also the micro-batch);
-- ``flash_attn``: auto | on | off; ``threads``: null = the environment's thread count;
+- ``flash_attn``: auto | on | off; ``kv_cache_type``: f16 (llama.cpp's default) | bf16 | f32 | q8_0 |
+  q4_0; ``threads``: null = the environment's thread count;
 - ``converter_dir``: a llama.cpp source tree holding ``convert_hf_to_gguf.py`` (null = fetched);
 - ``verbose``: print llama.cpp's log.
 """
@@ -36,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "n_ctx": None,
     "n_batch": 512,
     "flash_attn": "auto",
+    "kv_cache_type": "f16",
     "threads": None,
     "converter_dir": None,
     "verbose": False,
@@ -75,6 +77,13 @@ class LlamaCppAdapter(SystemAdapter):
                              f"{', '.join(convert.SUPPORTED_QUANTS)}")
         if o["flash_attn"] not in ("auto", "on", "off"):
             raise ValueError(f"llama_cpp flash_attn must be auto, on or off, not {o['flash_attn']!r}")
+        from .engine import KV_CACHE_TYPES
+
+        if o["kv_cache_type"] not in KV_CACHE_TYPES:
+            raise ValueError(f"llama_cpp kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, "
+                             f"not {o['kv_cache_type']!r}")
+        if o["kv_cache_type"] in ("q8_0", "q4_0") and o["flash_attn"] == "off":
+            raise ValueError("llama.cpp needs flash_attn (auto or on) for a quantized KV cache")
         if int(o["n_gpu_layers"]) < -1:
             raise ValueError("llama_cpp n_gpu_layers must be >= -1 (-1 = all layers)")
         if int(o["n_cpu_moe"]) < 0:
@@ -111,7 +120,8 @@ class LlamaCppAdapter(SystemAdapter):
         n_ctx = int(o["n_ctx"]) if o["n_ctx"] is not None else DEFAULT_CTX
         params = LoadParams(threads=self.threads, n_ctx=n_ctx, n_batch=int(o["n_batch"]),
                             n_seq_max=DEFAULT_SEQS, n_gpu_layers=ngl, n_cpu_moe=int(o["n_cpu_moe"]),
-                            flash_attn=o["flash_attn"], verbose=bool(o["verbose"]))
+                            flash_attn=o["flash_attn"], kv_cache_type=o["kv_cache_type"],
+                            verbose=bool(o["verbose"]))
         self.llm = LlamaCppModel(self.gguf_path, params)
         if o["n_ctx"] is None and self.llm.n_ctx > self.llm.n_ctx_train > 0:
             self.llm.new_context(_round_up(self.llm.n_ctx_train), DEFAULT_SEQS)

@@ -96,7 +96,13 @@ class LoadParams:
     n_gpu_layers: int = 0
     n_cpu_moe: int = 0
     flash_attn: str = "auto"  # auto | on | off
+    kv_cache_type: str = "f16"  # f16 | bf16 | f32 | q8_0 | q4_0 (K and V)
     verbose: bool = False
+
+
+#: ggml_type enum values (llama-cpp-python names most of them GGML_TYPE_*; BF16 is 30 in ggml.h)
+KV_CACHE_TYPES = {"f32": ("GGML_TYPE_F32", 0), "f16": ("GGML_TYPE_F16", 1), "bf16": ("GGML_TYPE_BF16", 30),
+                  "q8_0": ("GGML_TYPE_Q8_0", 8), "q4_0": ("GGML_TYPE_Q4_0", 2)}
 
 
 class LlamaCppModel:
@@ -153,6 +159,8 @@ class LlamaCppModel:
         cparams.n_threads_batch = int(p.threads)
         cparams.kv_unified = True  # beams share one cell pool: seq_cp is metadata-only
         cparams.no_perf = False
+        const, value = KV_CACHE_TYPES[p.kv_cache_type]
+        cparams.type_k = cparams.type_v = int(getattr(lc, const, value))
         cparams.flash_attn_type = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                                    "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[p.flash_attn]
         _log_lines.clear()
@@ -296,6 +304,7 @@ class LlamaCppModel:
             "n_batch": self.n_batch,
             "kv_unified": True,
             "flash_attn": self.params.flash_attn,
+            "kv_cache_type": self.params.kv_cache_type,
             "n_gpu_layers": self.params.n_gpu_layers,
             "n_cpu_moe": self.params.n_cpu_moe,
             "n_threads": int(lc.llama_n_threads(self.ctx)),

@@ -176,18 +176,21 @@ class MoETransformer:
         self.embed = weights.embed
         self.norm = weights.norm
         self.lm_head = Linear(weights.lm_head, use_kernel=use_kernel)
-        self.layers = [
-            (
-                l.input_norm,
-                Linear(l.q, use_kernel=use_kernel),
-                Linear(l.k, use_kernel=use_kernel),
-                Linear(l.v, use_kernel=use_kernel),
-                Linear(l.o, use_kernel=use_kernel),
-                l.post_norm,
-                Linear(l.gate, use_kernel=use_kernel),
+        # q, k and v share their input: one fused [q; k; v] projection is one kernel call (one thread-pool
+        # wake-up) instead of three; each output row is the same dot product as before.
+        self.layers = []
+        for l in weights.layers:
+            qkv = torch.cat([l.q, l.k, l.v])
+            l.q = l.k = l.v = None  # the fused copy replaces them
+            self.layers.append(
+                (
+                    l.input_norm,
+                    Linear(qkv, use_kernel=use_kernel),
+                    Linear(l.o, use_kernel=use_kernel),
+                    l.post_norm,
+                    Linear(l.gate, use_kernel=use_kernel),
+                )
             )
-            for l in weights.layers
-        ]
         self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device)
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
@@ -199,12 +202,13 @@ class MoETransformer:
         for lin in self.linears():
             lin.kernel_max_tokens = n
 
-    def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, q_proj, k_proj, v_proj, o_proj):
+    def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = q_proj(h).view(B, T, nh, d).transpose(1, 2)
-        k = k_proj(h).view(B, T, nkv, d).transpose(1, 2)
-        v = v_proj(h).view(B, T, nkv, d).transpose(1, 2)
+        qkv = qkv_proj(h).view(B, T, nh + 2 * nkv, d)
+        q = qkv[:, :, :nh].transpose(1, 2)
+        k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
+        v = qkv[:, :, nh + nkv :].transpose(1, 2)
         cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -244,8 +248,8 @@ class MoETransformer:
         # optional executor hook: sees the residual stream after each MoE layer (e.g. to guess and prefetch
         # the next layer's experts with its router, as Mixtral-Offloading does)
         after_moe = getattr(self.executor, "after_moe", None)
-        for i, (n1, q, k, v, o, n2, gate) in enumerate(self.layers):
-            x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, q, k, v, o)
+        for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
+            x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, qkv, o)
             h = rms_norm(x, n2, eps)
             idx, w = route(gate(h), cfg.top_k, self.dtype)
             x = x + self.executor.forward(i, h, idx, w)

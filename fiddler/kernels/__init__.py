@@ -87,6 +87,7 @@ def features() -> dict:
         amx_active=amx == _AMX_HW,
         amx_emulated=amx == _AMX_EMULATED,
         amx_min_tokens=L.fk_amx_min_tokens(),
+        amx_status=L.fk_amx_status().decode(),
     )
     return out
 

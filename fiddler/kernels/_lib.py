@@ -33,6 +33,7 @@ def _declare(l: ctypes.CDLL) -> None:
         "fk_isa": (c.c_int, []),
         "fk_amx_mode": (c.c_int, []),
         "fk_amx_min_tokens": (c.c_int, []),
+        "fk_amx_status": (c.c_char_p, []),
         "fk_num_features": (c.c_int, []),
         "fk_feature_name": (c.c_char_p, [c.c_int]),
         "fk_feature": (c.c_int, [c.c_int]),

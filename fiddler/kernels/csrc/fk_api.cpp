@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -128,18 +129,57 @@ const IsaOps& vector_ops(int isa) {
   return kGenericOps;
 }
 
+// AMX self-check, run once before the tile path is first enabled: the tile micro-kernel and the
+// AVX512-BF16 one compute the same 32 x 64 block from values whose products and sums are exact in
+// fp32 (multiples of 1/16 in [-1/2, 1/2], 64 terms), so they must agree bit for bit. A CPU/OS/compiler
+// combination on which they do not is reported by fk_amx_status() and AMX stays off.
+std::string g_amx_status = "not checked";
+bool amx_selfcheck() {
+#if defined(__x86_64__)
+  static const bool ok = [] {
+    constexpr int64_t kK = 64, kPairs = kK / 2, kM = 32;
+    alignas(64) static uint16_t w[kPairs * kBlockN * 2], x[kM * kK];
+    alignas(64) static float a[kM * kBlockN], b[kM * kBlockN];
+    uint32_t r = 12345;
+    auto next = [&r] {
+      r = r * 1103515245u + 12345u;
+      return f32_to_bf16(float(int((r >> 16) % 17) - 8) / 16.0f);
+    };
+    for (auto& v : w) v = next();
+    for (auto& v : x) v = next();
+    for (int64_t t0 = 0; t0 < kM; t0 += kAvx512Ops.mr) {
+      const int m = int(std::min<int64_t>(kAvx512Ops.mr, kM - t0));
+      kAvx512Ops.mk(w, kPairs, x + t0 * kK, kK, m, a + t0 * kBlockN, false, nullptr, 0);
+    }
+    kAmxOps.mk(w, kPairs, x, kK, int(kM), b, false, nullptr, 0);
+    if (std::memcmp(a, b, sizeof a) != 0) {
+      g_amx_status = "disabled: the AMX self-check disagreed with the AVX512-BF16 path";
+      return false;
+    }
+    g_amx_status = "ok";
+    return true;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 int configure(int isa, int amx, int amx_min_tokens) {
   if (isa < 0) isa = best_isa();
   if (isa > kIsaAvx512) return fail("unknown ISA code " + std::to_string(isa));
   if (isa == kIsaAvx512 && !(isa <= best_isa()))
     return fail("this CPU (or OS) does not support AVX512-BF16 (needs avx512f/bw/vl/dq/bf16)");
   if (isa == kIsaAvx2 && best_isa() < kIsaAvx2) return fail("this CPU (or OS) does not support AVX2+FMA");
-  if (amx < 0) amx = (isa == kIsaAvx512 && cpu().amx() && request_amx_permission()) ? kAmxHw : kAmxOff;
+  if (amx < 0)
+    amx = (isa == kIsaAvx512 && cpu().amx() && request_amx_permission() && amx_selfcheck()) ? kAmxHw
+                                                                                           : kAmxOff;
   if (amx == kAmxHw) {
     if (isa != kIsaAvx512) return fail("AMX needs the avx512_bf16 path");
     if (!cpu().amx()) return fail("this CPU (or OS) does not support AMX-BF16");
     if (!request_amx_permission())
       return fail("the kernel refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM failed)");
+    if (!amx_selfcheck()) return fail("AMX " + g_amx_status);
   }
   if (amx < kAmxOff || amx > kAmxEmulated) return fail("unknown AMX mode " + std::to_string(amx));
   g_isa = isa;
@@ -160,91 +200,154 @@ int available_cpus() {
 }
 
 // ---------------------------------------------------------------- thread pool
-// The caller runs share 0 itself; workers spin briefly after a job (back-to-back kernel calls are
-// common) and then sleep on a condition variable. One parallel region at a time (call_mu).
+// Persistent workers plus the calling thread share a job's items (weight blocks) dynamically:
+// each participant repeatedly claims the next contiguous range (guided sizes: large first, small at
+// the end), so a worker that the OS has not scheduled yet delays nothing -- the others take its
+// share. Workers spin a short while after a job (back-to-back kernel calls are common in decode),
+// yielding the core to other runnable threads now and then, and then sleep on a condition variable.
+//
+// Joining protocol: `state_` packs (generation << 32) | closed bit | active count. A worker joins a
+// job only by a CAS from "this generation, open" to active + 1; the caller closes the job when all
+// items are claimed and then waits for active == 0, so no worker can touch a job (whose closure lives
+// on the caller's stack) after run() returned. One pooled region at a time; a second concurrent caller
+// does not wait for the first: it runs its call on its own thread.
 class Pool {
  public:
+  // fn(begin, end) is called for disjoint ranges covering [0, items); up to `threads` threads.
   template <class F>
-  void run(int n, const F& fn) {
-    if (n <= 1) {
-      fn(0, 1);
+  void run(int threads, int64_t items, int64_t grain, const F& fn) {
+    if (items <= 0) return;
+    std::unique_lock<std::mutex> call(call_mu_, std::defer_lock);
+    if (threads <= 1 || items == 1 || !call.try_lock()) {
+      fn(int64_t(0), items);
       return;
     }
-    std::lock_guard<std::mutex> call(call_mu_);
-    grow(n - 1);
-    Job job = [](const void* f, int i, int k) { (*static_cast<const F*>(f))(i, k); };
-    {
+    grow(threads - 1);
+    Job& j = job_;
+    j.call = [](const void* f, int64_t b, int64_t e) { (*static_cast<const F*>(f))(b, e); };
+    j.arg = &fn;
+    j.items = items;
+    j.grain = std::max<int64_t>(1, grain);
+    j.threads = threads;
+    j.next.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store(gen << 32, std::memory_order_seq_cst);  // open, nobody joined
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> g(mu_);
-      job_ = job;
-      job_arg_ = &fn;
-      job_n_ = n;
-      pending_.store(n - 1, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
+      cv_.notify_all();
     }
-    cv_.notify_all();
-    fn(0, n);
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin)
-      if (spin > 1000) std::this_thread::yield();
+    work(j);
+    state_.fetch_or(kClosed, std::memory_order_acq_rel);
+    for (int spin = 0; (state_.load(std::memory_order_acquire) & kActiveMask) != 0; ++spin) {
+      if (spin < 4096) cpu_relax();
+      else std::this_thread::yield();
+    }
   }
 
  private:
-  using Job = void (*)(const void*, int, int);
+  static constexpr uint64_t kClosed = uint64_t(1) << 31;
+  static constexpr uint64_t kActiveMask = kClosed - 1;
 
-  void grow(int workers) {
-    if (pid_ != getpid()) {  // forked child: the parent's workers do not exist here
-      for (auto& t : threads_) t.detach();
-      threads_.clear();
-      pid_ = getpid();
-    }
-    while (int(threads_.size()) < workers) {
-      // the worker starts from the current generation, which run() bumps only after grow()
-      const int id = int(threads_.size()) + 1;
-      const uint64_t seen = gen_.load();
-      threads_.emplace_back([this, id, seen] { loop(id, seen); });
+  struct Job {
+    void (*call)(const void*, int64_t, int64_t) = nullptr;
+    const void* arg = nullptr;
+    int64_t items = 0, grain = 1;
+    int threads = 1;
+    std::atomic<int64_t> next{0};
+  };
+
+  static void cpu_relax() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  static void work(Job& j) {
+    int64_t cur = j.next.load(std::memory_order_relaxed);
+    for (;;) {
+      if (cur >= j.items) return;
+      const int64_t rest = j.items - cur;
+      const int64_t n = std::min(rest, std::max(j.grain, rest / (2 * int64_t(j.threads))));
+      if (j.next.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed)) {
+        j.call(j.arg, cur, cur + n);
+        cur = j.next.load(std::memory_order_relaxed);
+      }
     }
   }
 
-  void loop(int id, uint64_t seen) {
+  void grow(int workers) {
+    while (int(threads_.size()) < workers) threads_.emplace_back([this] { loop(); });
+  }
+
+  // try to become a participant of generation `gen`
+  bool join(uint64_t gen) {
+    uint64_t s = state_.load(std::memory_order_acquire);
     for (;;) {
-      for (int spin = 0; gen_.load(std::memory_order_acquire) == seen && spin < 20000; ++spin) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
+      if ((s >> 32) != gen || (s & kClosed) || int64_t(s & kActiveMask) + 1 >= job_.threads) return false;
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) return true;
+    }
+  }
+
+  void loop() {
+    uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
+    for (;;) {
+      // spin for g_spin_us, yielding to other runnable threads every few microseconds
+      auto changed = [&] { return (state_.load(std::memory_order_acquire) >> 32) != seen; };
+      if (!changed()) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const auto spin = std::chrono::microseconds(spin_us());
+        for (int i = 1; !changed(); ++i) {
+          cpu_relax();
+          if ((i & 255) == 0) {
+            const auto dt = std::chrono::steady_clock::now() - t0;
+            if (dt > spin) break;
+            if ((i & 4095) == 0) sched_yield();
+          }
+        }
       }
-      Job job;
-      const void* arg;
-      int n;
-      {
-        // generation and job are read together, so a late worker never pairs an old generation
-        // with a newer job (which would run that job's share twice)
+      if (!changed()) {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return gen_.load(std::memory_order_relaxed) != seen; });
-        seen = gen_.load(std::memory_order_relaxed);
-        job = job_;
-        arg = job_arg_;
-        n = job_n_;
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        cv_.wait(lk, changed);
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
       }
-      if (id < n) {
-        job(arg, id, n);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = state_.load(std::memory_order_acquire) >> 32;
+      if (join(seen)) {
+        work(job_);
+        state_.fetch_sub(1, std::memory_order_acq_rel);
       }
     }
+  }
+
+  static int spin_us() {
+    static const int us = [] {
+      const char* e = getenv("FIDDLER_KERNEL_SPIN_US");
+      return e ? std::max(0, atoi(e)) : 100;
+    }();
+    return us;
   }
 
   std::mutex call_mu_, mu_;
   std::condition_variable cv_;
   std::vector<std::thread> threads_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> pending_{0};
-  Job job_ = nullptr;
-  const void* job_arg_ = nullptr;
-  int job_n_ = 0;
-  pid_t pid_ = getpid();
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int> sleepers_{0};
+  Job job_;
 };
 
+// Never destroyed: workers block forever, so there is no join at exit. A forked child has none of
+// the parent's workers, and the parent's mutexes and condition variable may have been caught in
+// use (a sleeping worker makes notify_all wait for it forever), so the child starts a fresh pool
+// and leaks the old one.
+Pool* g_pool = nullptr;
 Pool& pool() {
-  static Pool* p = new Pool;  // never destroyed: workers block forever, so no join at exit
-  return *p;
+  static const bool once = [] {
+    g_pool = new Pool;
+    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool; });
+    return true;
+  }();
+  (void)once;
+  return *g_pool;
 }
 
 // Threads for a region over `blocks` weight blocks of `weight_bytes` in total, for `tokens` tokens.
@@ -338,9 +441,8 @@ template <class Epilogue>
 void run_blocks(const Plan& p, const uint8_t* packed, int groups, int64_t n_blocks,
                 int64_t k_pad, const uint16_t* x, int64_t ldx, int threads,
                 const Epilogue& epi) {
-  pool().run(threads, [&](int tid, int n) {
+  pool().run(threads, n_blocks, 1, [&](int64_t b0, int64_t b1) {
     float* acc = scratch(t_acc, size_t(groups * p.rows * kBlockN));
-    const int64_t b0 = n_blocks * tid / n, b1 = n_blocks * (tid + 1) / n;
     for (int64_t nb = b0; nb < b1; ++nb) {
       block_product(p, packed, groups, k_pad, nb, x, ldx, acc);
       epi(nb, acc);
@@ -363,6 +465,11 @@ FK_API int fk_amx_mode() {
   return g_amx.load();
 }
 FK_API int fk_amx_min_tokens() { return g_amx_min_tokens.load(); }
+// "ok", "not checked" (no AMX, or never requested) or why the AMX path was disabled.
+FK_API const char* fk_amx_status() {
+  current_isa();
+  return g_amx_status.c_str();
+}
 
 // Feature i (0 <= i < fk_num_features()): name and whether this CPU/OS has it.
 FK_API int fk_num_features() { return kNumFeatures; }
@@ -407,8 +514,8 @@ FK_API int fk_pack(const uint16_t* const* ws, int groups, int64_t n, int64_t k, 
   const int64_t k_pad = round_up(k, kAlignK), n_blocks = round_up(n, kBlockN) / kBlockN;
   const int64_t bb = block_bytes(k_pad);
   const int nt = thread_count(threads, n_blocks, bytes, 1);
-  pool().run(nt, [&](int tid, int nth) {
-    for (int64_t nb = n_blocks * tid / nth; nb < n_blocks * (tid + 1) / nth; ++nb)
+  pool().run(nt, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
       for (int g = 0; g < groups; ++g) {
         uint16_t* blk = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(dst) + (nb * groups + g) * bb);
         std::memset(blk, 0, size_t(bb));
@@ -482,7 +589,7 @@ FK_API int fk_linear(const void* packed, int64_t n, int64_t k, const uint16_t* x
 // CPU has; returns the best of `repeats` in GB/s, or a negative value on error.
 FK_API double fk_bandwidth_probe(int64_t nbytes, int threads, int repeats) {
   const int n = threads > 0 ? threads : fk_get_num_threads();
-  const int64_t slice = round_up(std::max<int64_t>(nbytes, 1 << 20) / n, 4096);
+  const int64_t slice = round_up(std::max<int64_t>(nbytes, 1 << 20) / n, 16 * 4096);
   void* buf = nullptr;
   if (posix_memalign(&buf, 2u << 20, size_t(slice * n)) != 0) return fail("probe: out of memory");
   fk_advise_hugepages(buf, slice * n);
@@ -492,8 +599,10 @@ FK_API double fk_bandwidth_probe(int64_t nbytes, int threads, int repeats) {
   double best = 0;
   for (int r = 0; r < std::max(1, repeats); ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    pool().run(n, [&](int tid, int) {
-      sink.fetch_xor(ops.read(static_cast<char*>(buf) + tid * slice, slice), std::memory_order_relaxed);
+    // 16 pieces per thread, claimed dynamically (a piece is a multiple of 4 KiB)
+    pool().run(n, int64_t(n) * 16, 1, [&](int64_t b, int64_t e) {
+      sink.fetch_xor(ops.read(static_cast<char*>(buf) + b * (slice / 16), (e - b) * (slice / 16)),
+                     std::memory_order_relaxed);
     });
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, double(slice * n) / dt / 1e9);

@@ -68,7 +68,9 @@ class LlamaCppAdapter(SystemAdapter):
         unknown = set(options or {}) - set(DEFAULTS) - {"name", "adapter"}
         if unknown:
             raise ValueError(f"unknown llama_cpp option(s): {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-        merged = {**DEFAULTS, **{k: v for k, v in (options or {}).items() if k in DEFAULTS}}
+        # enum-valued options (structured configs) arrive as Enum members: keep their values
+        given = {k: getattr(v, "value", v) for k, v in (options or {}).items() if k in DEFAULTS}
+        merged = {**DEFAULTS, **given}
         super().__init__(merged, model, ctx)
         o = self.options
         o["quant"] = str(o["quant"]).lower()

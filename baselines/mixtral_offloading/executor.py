@@ -232,7 +232,8 @@ class OffloadingExecutor:
     def bind_model(self, model) -> None:
         """Give the prefetcher the model's per-layer post-attention RMSNorm and router (gate). Called by
         `load_engine` right after the engine is built; prefetch is impossible without it."""
-        self._router = [(layer[5], layer[6]) for layer in model.layers]
+        # fiddler.model layers are tuples (input_norm, <attention projections>..., post_norm, gate)
+        self._router = [(layer[-2], layer[-1]) for layer in model.layers]
         self._eps = float(model.cfg.rms_norm_eps)
         if len(self._router) != self.config.num_layers:
             raise ValueError(f"model has {len(self._router)} layers, the executor {self.config.num_layers}")

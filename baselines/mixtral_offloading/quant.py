@@ -126,14 +126,15 @@ class HQQAttentionLinear:
 
 
 def quantize_attention(model, nbits: int = ATTN_BITS, group_size: int = ATTN_GROUP) -> dict[str, Any]:
-    """Replace q, k, v, o of every layer of a fiddler MoETransformer by HQQ linears; returns a summary."""
+    """Replace the attention projections of every layer of a fiddler MoETransformer (the Linears between
+    the input norm and the post-attention norm: q, k, v, o, or a fused qkv and o) by HQQ linears."""
     hq = require_hqq()
     dense = quant = 0
     layers = []
     for layer in model.layers:
-        n1, q, k, v, o, n2, gate = layer
+        n1, *attn, n2, gate = layer
         new = []
-        for lin in (q, k, v, o):
+        for lin in attn:
             dense += lin.weight.numel() * lin.weight.element_size()
             h = HQQAttentionLinear(lin.weight, hq, nbits, group_size)
             quant += h.nbytes
@@ -141,4 +142,5 @@ def quantize_attention(model, nbits: int = ATTN_BITS, group_size: int = ATTN_GRO
         layers.append((n1, *new, n2, gate))
     model.layers = layers
     return {"attention": f"hqq {nbits}-bit, group {group_size}", "hqq_version": _version(),
+            "projections_per_layer": len(layers[0]) - 3 if layers else 0,
             "dense_bytes": dense, "quantized_bytes": quant}

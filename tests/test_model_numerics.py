@@ -215,3 +215,29 @@ def test_cuda_fp32_greedy_and_beam_match_transformers(fraction):
     out = e.generate(ids, max_new_tokens=16, beam_width=4)
     assert out.tokens.tolist() == ref.sequences[0, 12:].tolist()
     assert out.sequences_scores == pytest.approx(float(ref.sequences_scores[0]), abs=1e-4)
+
+
+def test_fp32_sliding_window_matches_transformers(tmp_path):
+    """A config with sliding_window (Mistral-style local attention) masks keys older than the window, in
+    prefill and in decode."""
+    import json
+    import shutil
+
+    from transformers import MixtralForCausalLM
+
+    d = shutil.copytree(model_path("e8k2"), tmp_path / "sw")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["sliding_window"] = 6
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref_model = MixtralForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref_model.generation_config.eos_token_id = None
+    ref_model.generation_config.pad_token_id = 0
+    e = Engine.from_pretrained(d, dtype=torch.float32, measure_bandwidth=False, executor_factory=build_local_executor)
+    ids = prompt(14, ARCHS["e8k2"]["vocab_size"], seed=6)
+    with torch.no_grad():
+        ref = ref_model(ids[None]).logits[0]
+    torch.testing.assert_close(e.forward_logits(ids), ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    full = engine("e8k2", "reference", torch.float32).forward_logits(ids)
+    assert (full[-1] - ref[-1]).abs().max() > 1e-2  # the window really changes the result
+    gen = ref_model.generate(ids[None], max_new_tokens=16, do_sample=False)[0, 14:]
+    assert e.generate(ids, max_new_tokens=16).tokens.tolist() == gen.tolist()

@@ -85,29 +85,33 @@ def torch_threads(n: int | None):
 
 
 def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(16, 32, 64, 128, 256), repeats: int = 3, floor: int = 8) -> int:
-    """Largest token count at which the packed kernel still beats torch's matmul (oneDNN/AMX) on `weight`,
-    measured with torch at one thread (the engine's setting while the kernel is active, see Engine);
-    beyond it Linear uses torch. At most `floor` tokens (decode, beams) the kernel is always used: that
-    is the memory-bound GEMV regime where torch's bf16 path streams at ~40% of the limit."""
+    """Largest token count at which the packed kernel still beats torch's matmul (oneDNN/AMX) on `weight`;
+    beyond it Linear uses torch. Compared per thread, in CPU time of the calling thread (both run with one
+    thread here): the machine may be shared, and wall time of a multi-threaded call then measures the
+    scheduler; while the kernel is active torch keeps one thread anyway (see Engine). At most `floor`
+    tokens (decode, beams) the kernel is always used: that is the memory-bound GEMV regime where torch's
+    bf16 path streams at ~40% of the limit."""
     k = _kernels()
     if k is None:
         return 0
     packed = k.PackedLinear(weight)
-    best_n = floor
-    for n in candidates:
-        x = torch.randn(n, weight.shape[1]).to(weight.dtype)
-        tk = tt = float("inf")
+
+    def cpu_time(fn) -> float:
+        best = float("inf")
         for _ in range(repeats + 1):
-            t = time.perf_counter()
-            packed.forward(x)
-            tk = min(tk, time.perf_counter() - t)
-            t = time.perf_counter()
-            F.linear(x, weight)
-            tt = min(tt, time.perf_counter() - t)
-        if tk <= tt:
-            best_n = n
-        else:
-            break
+            t = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t)
+        return best
+
+    best_n = floor
+    with torch_threads(1):
+        for n in candidates:
+            x = torch.randn(n, weight.shape[1]).to(weight.dtype)
+            if cpu_time(lambda: packed.forward(x, threads=1)) <= cpu_time(lambda: F.linear(x, weight)):
+                best_n = n
+            else:
+                break
     return best_n if best_n < candidates[-1] else 1 << 30
 
 
@@ -179,8 +183,7 @@ class Engine:
         # spinning pools on the same cores slowed decode 3x here. torch then only runs small ops.
         torch_threads_in_run = 1 if kernel_linears else None
         if kernel_linears:
-            with torch_threads(1):
-                model.set_kernel_max_tokens(choose_kernel_max_tokens(model.layers[0][1].weight))
+            model.set_kernel_max_tokens(choose_kernel_max_tokens(model.layers[0][1].weight))
         k = _kernels()
         info = {
             "path": str(path),

@@ -85,27 +85,38 @@ def test_from_hardware_spec_without_gpu_never_prefers_gpu():
         HardwareSpec(1, 1, 1, 1, 1, cpu_isa="sse2").cpu_flops_per_cycle()
 
 
-def _spin(seconds):
-    t = time.perf_counter()
-    while time.perf_counter() - t < seconds:
-        pass
+class FakeClock:
+    """Deterministic stand-in for time.perf_counter: the timed functions advance it by their cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
 
 
-def test_calibrate_fits_timed_paths_and_caches():
+def test_calibrate_fits_timed_paths_and_caches(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(latency.time, "perf_counter", clock)
     latency.clear_cache()
     calls = {"cpu": 0}
 
     def cpu_fn(s):
         calls["cpu"] += 1
-        _spin(2e-3 + 2e-4 * s)
+        clock.now += 2e-3 + 2e-4 * s + (0.05 if calls["cpu"] == 9 else 0.0)  # one preempted run
 
-    lm = calibrate(cpu_fn, lambda s: _spin(1e-3), lambda: _spin(5e-3), token_counts=(1, 2, 4, 8, 16),
-                   repeats=2, cache_key=("unit", 1))
+    def gpu_fn(s):
+        clock.now += max(1e-3, 1e-5 * s + 2e-4)
+
+    def copy_fn():
+        clock.now += 5e-3
+
+    lm = calibrate(cpu_fn, gpu_fn, copy_fn, token_counts=(1, 2, 4, 8, 16, 256), repeats=2, cache_key=("unit", 1))
     assert lm.source == "calibrated"
-    assert [s for s, _ in lm.samples["cpu"]] == [1, 2, 4, 8, 16] and len(lm.samples["transfer"]) == 2
-    # busy-wait timings are lower bounds; a loaded machine only adds time
-    assert lm.cpu_a == pytest.approx(2e-4, rel=0.5) and lm.cpu_b >= 1.5e-3
-    assert lm.gpu(4) >= 0.9e-3 and lm.transfer() >= 5e-3
+    assert [s for s, _ in lm.samples["cpu"]] == [1, 2, 4, 8, 16, 256] and len(lm.samples["transfer"]) == 2
+    assert lm.cpu_a == pytest.approx(2e-4) and lm.cpu_b == pytest.approx(2e-3)  # best-of-2 drops the outlier
+    assert lm.gpu(1) == pytest.approx(1e-3) and lm.gpu(256) == pytest.approx(1e-5 * 256 + 2e-4)
+    assert lm.transfer() == pytest.approx(5e-3)
     n = calls["cpu"]
     assert calibrate(cpu_fn, None, None, cache_key=("unit", 1)) is lm and calls["cpu"] == n
     latency.clear_cache()

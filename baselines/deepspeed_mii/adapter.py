@@ -54,7 +54,7 @@ class DeepSpeedAdapter(SystemAdapter):
                 self.model.path, self.model.dtype, threads=self.ctx.threads, has_cuda=self.ctx.has_cuda,
                 cache_dir=self.ctx.cache_dir, offload_device=self.opts["offload_device"],
                 pin_memory=bool(self.opts["pin_memory"]), nvme_path=self.opts["nvme_path"],
-                zero_overrides=dict(self.opts["zero_overrides"] or {}),
+                zero_overrides=dict(self.opts["zero_overrides"] or {}), gpu_memory_gb=self.ctx.gpu_memory_gb,
             )
         else:
             from baselines.deepspeed_mii.fastgen import FastGenEngine

@@ -80,3 +80,21 @@ def checkpoint_bytes(path: str) -> int:
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def enforce_gpu_budget(gpu_memory_gb: float) -> dict[str, Any]:
+    """Cap this process's CUDA allocations at the environment's GPU memory (an emulated smaller card).
+
+    Returns facts for the record; a no-op without CUDA or when the budget is at least the card.
+    """
+    import torch
+
+    if not gpu_memory_gb or not torch.cuda.is_available():
+        return {}
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = gpu_memory_gb * 2**30
+    if budget >= total:
+        return {"gpu_budget_emulated": False, "gpu_total_gb": round(total / 2**30, 2)}
+    torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    return {"gpu_budget_emulated": True, "gpu_budget_gb": gpu_memory_gb, "gpu_total_gb": round(total / 2**30, 2),
+            "gpu_budget_method": "torch.cuda.set_per_process_memory_fraction"}

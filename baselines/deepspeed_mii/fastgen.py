@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from baselines.base import GenerationRequest, GenerationResult, SystemUnavailable
 from baselines.deepspeed_mii.common import (
-    checkpoint_bytes, free_port, one_line, require, restore_env, snapshot_env,
+    checkpoint_bytes, enforce_gpu_budget, free_port, one_line, require, restore_env, snapshot_env,
 )
 
 
@@ -49,6 +49,7 @@ class FastGenEngine:
                                   "zmq_port_number": free_port()}
         if self.max_length is not None:
             kwargs["max_length"] = self.max_length
+        budget = enforce_gpu_budget(self.gpu_memory_gb) if self.has_cuda else {}
         saved = snapshot_env()
         try:
             # Tried for real even without CUDA: it fails within seconds, before any weight is loaded.
@@ -66,7 +67,7 @@ class FastGenEngine:
                       "max_length": self.pipe.max_length, "tensor_parallel": self.tensor_parallel,
                       "first_token": "MII streaming: the first token put on the pipeline's result queue",
                       "tokens": "request token ids fed to MIIPipeline.make_request (no re-tokenising); "
-                                "ignore_eos=True, greedy (do_sample=False, top_p=1.0)"}
+                                "ignore_eos=True, greedy (do_sample=False, top_p=1.0)", **budget}
 
     def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
         import torch

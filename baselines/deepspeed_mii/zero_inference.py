@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable
 
 from baselines.base import GenerationRequest, GenerationResult, SystemUnavailable
-from baselines.deepspeed_mii.common import one_line, require, single_process_env
+from baselines.deepspeed_mii.common import enforce_gpu_budget, one_line, require, single_process_env
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
@@ -58,7 +58,8 @@ class ZeroInferenceEngine:
 
     def __init__(self, model_path: str, dtype: str, threads: int, has_cuda: bool, cache_dir: str,
                  offload_device: str = "cpu", pin_memory: bool = True, nvme_path: str | None = None,
-                 zero_overrides: dict[str, Any] | None = None):
+                 zero_overrides: dict[str, Any] | None = None, gpu_memory_gb: float = 0.0):
+        self.gpu_memory_gb = gpu_memory_gb
         self.model_path = model_path
         self.dtype = dtype
         self.threads = threads
@@ -92,10 +93,15 @@ class ZeroInferenceEngine:
             raise SystemUnavailable(f"CUDA is present but DeepSpeed selected its {accel_name!r} accelerator "
                                     f"(DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')!r})")
         backend = accel.communication_backend_name()
+        budget = enforce_gpu_budget(self.gpu_memory_gb) if accel_name == "cuda" else {}
 
-        if self.ds_config["zero_optimization"]["offload_param"]["device"] == "nvme":
+        offload = self.ds_config["zero_optimization"]["offload_param"]
+        if offload["device"] == "nvme":
             self._check_async_io()
-            os.makedirs(self.ds_config["zero_optimization"]["offload_param"]["nvme_path"], exist_ok=True)
+            os.makedirs(offload["nvme_path"], exist_ok=True)
+            # Each swap buffer must hold the largest parameter (DeepSpeed asserts it); the default 1e8
+            # elements is smaller than Mixtral-8x7B's fused expert tensors (8 x 2 x 14336 x 4096).
+            offload["buffer_size"] = max(int(1e8), self._largest_param_numel())
 
         import torch.distributed as dist
 
@@ -130,12 +136,21 @@ class ZeroInferenceEngine:
             "experts_implementation": getattr(self.module.config, "_experts_implementation", None),
             "device": str(self.device),
             "paper_setup": accel_name == "cuda",
+            **budget,
         }
         if accel_name == "cpu":
             self.facts["note"] = (
                 "ran on DeepSpeed's CPU accelerator (no CUDA here): ZeRO-3 partitions, gathers and releases "
                 "parameters every forward pass as on a GPU, but the 'offloaded' parameters and the compute are "
                 "both in host memory and pin_memory is a no-op, so this is NOT the paper's GPU setup")
+
+    def _largest_param_numel(self) -> int:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):  # shapes only, no memory
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
+        return max(p.numel() for p in meta.parameters())
 
     @staticmethod
     def _set_leaf_modules(deepspeed, model) -> list[str]:

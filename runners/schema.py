@@ -235,6 +235,33 @@ class MixtralOffloadingConfig(SystemConfig):
             _check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
 
 
+class DeepSpeedEngine(Enum):
+    zero_offload = "zero_offload"  # ZeRO-Inference: ZeRO-3 with parameters offloaded (the paper's baseline)
+    mii = "mii"  # DeepSpeed-MII FastGen (CUDA only)
+
+
+class OffloadDevice(Enum):
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+@dataclass
+class DeepSpeedConfig(SystemConfig):
+    engine: DeepSpeedEngine = DeepSpeedEngine.zero_offload
+    offload_device: OffloadDevice = OffloadDevice.cpu
+    pin_memory: bool = True
+    nvme_path: Optional[str] = None
+    zero_overrides: Dict[str, Any] = field(default_factory=dict)
+    tensor_parallel: int = 1
+    max_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check(lambda: self.tensor_parallel == 1, "system.tensor_parallel", self.tensor_parallel,
+               "1 (the harness runs one process)")
+        if self.max_length is not None:
+            _check(lambda: self.max_length >= 1, "system.max_length", self.max_length, "null or an integer >= 1")
+
+
 # ---------------------------------------------------------------- run control
 class Mode(Enum):
     execute = "execute"
@@ -279,6 +306,7 @@ SYSTEM_SCHEMAS: dict[str, type] = {
     "hf_transformers_schema": HFTransformersConfig,
     "fiddler_schema": FiddlerConfig,
     "llama_cpp_schema": LlamaCppConfig,
+    "deepspeed_mii_schema": DeepSpeedConfig,
     "mixtral_offloading_schema": MixtralOffloadingConfig,
 }
 

@@ -3,6 +3,7 @@ mean +- sd, plus status and reason for rows that did not run. Never built by han
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -10,18 +11,51 @@ import pandas as pd
 
 from runners.records import atomic_write_text
 
-KEYS = ["system", "model", "workload", "environment", "mode", "input", "output", "beam"]
+KEYS = ["system", "variant", "model", "workload", "environment", "mode", "input", "output", "beam"]
 METRICS = [("ttft_s", "TTFT s", 3), ("prefill_tok_s", "prefill tok/s", 1),
            ("decode_tok_s", "decode tok/s", 2), ("e2e_tok_s", "e2e tok/s", 2)]
 
 
+# config keys that never distinguish two rows of a table
+_NOT_VARIANT = ("run.", "cache_dir", "workload.input_lens", "workload.output_lens", "workload.beam_widths",
+                "system.adapter", "system.name", "model.path")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix[:-1]: json.dumps(d) if isinstance(d, list) else d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def variants(recs: list[dict[str, Any]]) -> list[str]:
+    """Per record, the config overrides that distinguish it from other records of the same
+    system/model/workload/environment (e.g. `planner=paper` in a planner sweep); '' when none."""
+    flats = [{k: v for k, v in _flat(r.get("config") or {}).items() if not k.startswith(_NOT_VARIANT)}
+             for r in recs]
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(recs):
+        groups.setdefault(tuple(r.get(k) for k in ("system", "model", "workload", "environment")), []).append(i)
+    out = [""] * len(recs)
+    for idx in groups.values():
+        keys = sorted({k for i in idx for k in flats[i]})
+        varying = [k for k in keys if len({json.dumps(flats[i].get(k), default=str) for i in idx}) > 1]
+        for i in idx:
+            out[i] = ",".join(f"{k.removeprefix('system.')}={flats[i].get(k)}" for k in varying)
+    return out
+
+
 def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
     """Flat numeric frame: one row per record, metric means, sds and bests as columns."""
+    recs = list(recs)
     rows = []
-    for r in recs:
+    for r, variant in zip(recs, variants(recs)):
         p = r.get("point", {})
         row = {"system": r.get("system"), "model": r.get("model"), "workload": r.get("workload"),
-               "environment": r.get("environment"), "mode": r.get("mode"), "input": p.get("input_len"),
+               "environment": r.get("environment"), "variant": variant, "mode": r.get("mode"),
+               "input": p.get("input_len"),
                "output": p.get("output_len"), "beam": p.get("beam_width"), "status": r.get("status"),
                "reason": r.get("reason"), "time": r.get("time"), "run_id": r.get("run_id")}
         m = r.get("metrics") or {}
@@ -52,7 +86,8 @@ def _fmt(mean, sd, digits: int) -> str:
 
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
-    out = df[KEYS + ["status"]].copy()
+    keys = KEYS if df["variant"].astype(bool).any() else [k for k in KEYS if k != "variant"]
+    out = df[keys + ["status"]].copy()
     for key, title, digits in METRICS:
         out[title] = [_fmt(m, s, digits) for m, s in zip(df[key], df[f"{key}_sd"])]
     out["reps"] = df["reps"]

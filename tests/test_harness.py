@@ -211,3 +211,19 @@ def test_concurrent_appends_are_whole_lines(tmp_path):
 def _append_many(path, worker):
     for i in range(50):
         records.append_lines(Path(path), [{"worker": worker, "i": i, "pad": "x" * 5000}])
+
+
+def test_tables_keep_rows_that_differ_only_in_an_option():
+    def rec(planner, threads, t):
+        return {"system": "fiddler", "model": "m", "workload": "w", "environment": "local", "mode": "execute",
+                "status": "ok", "time": t, "point": {"input_len": 1, "output_len": 2, "beam_width": 1},
+                "config": {"system": {"name": "fiddler", "planner": planner}, "environment": {"cpu": {"threads": threads}},
+                           "run": {"force": t == "3"}},
+                "metrics": {"ttft_s": 1.0, "repetitions": 3}}
+
+    table = tables.build([rec("paper", 2, "1"), rec("makespan", 2, "2"), rec("makespan", 2, "3")])
+    assert sorted(table["variant"]) == ["planner=makespan", "planner=paper"]  # run.* never distinguishes rows
+    md = tables.to_markdown(table)
+    assert "planner=paper" in md and "variant" in md
+    single = tables.build([rec("paper", 2, "1")])
+    assert "variant" not in tables.to_markdown(single)

@@ -42,9 +42,10 @@ class Linear:
         self.packed = k.PackedLinear(weight) if (use_kernel and k is not None) else None
         self.threads: int | None = None
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out` (kernel path only): a preallocated [tokens, out_features] result buffer to write into."""
         if self.packed is not None and x.shape[0] <= self.kernel_max_tokens:
-            return self.packed.forward(x, threads=self.threads, out_dtype=out_dtype or x.dtype)
+            return self.packed.forward(x, out=out, threads=self.threads, out_dtype=out_dtype or x.dtype)
         y = F.linear(x, self.weight)
         return y if out_dtype is None else y.to(out_dtype)
 
@@ -194,6 +195,17 @@ class MoETransformer:
         self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device)
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
+
+    def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A reusable output buffer for decode steps (one token per row); None for prefill, whose shapes vary."""
+        if shape[0] > self.max_batch:
+            return None
+        key = (name, shape, dtype)
+        b = self._bufs.get(key)
+        if b is None:
+            b = self._bufs[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return b
 
     def linears(self) -> list[Linear]:
         return [self.lm_head] + [m for layer in self.layers for m in layer if isinstance(m, Linear)]
@@ -205,7 +217,7 @@ class MoETransformer:
     def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = qkv_proj(h).view(B, T, nh + 2 * nkv, d)
+        qkv = qkv_proj(h, out=self._buf("qkv", (B * T, (nh + 2 * nkv) * d), h.dtype)).view(B, T, nh + 2 * nkv, d)
         q = qkv[:, :, :nh].transpose(1, 2)
         k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
         v = qkv[:, :, nh + nkv :].transpose(1, 2)
@@ -232,7 +244,7 @@ class MoETransformer:
                 mask &= kj > qi - window
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=nh != nkv)
         o = o.reshape(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)
-        return o_proj(o)
+        return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
@@ -251,11 +263,13 @@ class MoETransformer:
         for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
             x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, qkv, o)
             h = rms_norm(x, n2, eps)
-            idx, w = route(gate(h), cfg.top_k, self.dtype)
+            idx, w = route(gate(h, out=self._buf("router", (B * T, cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
             x = x + self.executor.forward(i, h, idx, w)
             if after_moe is not None:
                 after_moe(i, x)
-        if not all_logits:
-            x = x.view(B, T, -1)[:, -1].contiguous()
-        logits = self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32)
-        return logits.view(B, T, -1) if all_logits else logits
+        if all_logits:
+            return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
+        x = x.view(B, T, -1)[:, -1].contiguous()
+        # Note: decode logits live in a reused buffer, valid until the next forward call.
+        return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32,
+                            out=self._buf("logits", (B, cfg.vocab_size), torch.float32))

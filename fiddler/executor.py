@@ -154,10 +154,11 @@ class MoEExecutor:
         # Threads. On CUDA the CPU queue gets every core (the calling thread only launches GPU work).
         # Without CUDA both queues run on the CPU: with overlap they run concurrently on disjoint halves
         # of the cores, without it one after the other with all cores. Measured on the 2-core dev VM
-        # (scripts/bench_executor_overlap.py, shared and loaded): in bf16 overlap is 2.5-20x faster (all-core
-        # kernel/OpenMP regions stall when another process holds a core); in fp32 it loses at 1-4 tokens.
-        # fp32 is also the exactness mode, and MKL's fp32 GEMM rounding depends on the thread count, so
-        # the CPU default is overlap for bf16/fp16 and serial with all cores (bit-exact) for fp32.
+        # (scripts/bench_executor_overlap.py; shared and loaded, so noisy): overlap took 0.1-0.6x the serial
+        # time in bf16 in two runs (all-core kernel/OpenMP regions stall when another process holds a core);
+        # in fp32 0.14-0.8x in one run and 1.1-1.4x at 1-4 tokens in another. fp32 is the exactness mode and
+        # MKL's fp32 GEMM rounding depends on the thread count, so the CPU default is overlap for bf16/fp16
+        # and serial with all cores (bit-exact against a plain computation) for fp32.
         cores = hardware.cpu_cores()
         if overlap is None:
             overlap = self.cuda or dtype != torch.float32

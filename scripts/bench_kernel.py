@@ -4,8 +4,8 @@
 For each token count, in one process and side by side: the packed kernel (PackedExpert.forward),
 torch's bf16 F.linear expert on the same tensors, the streaming-read probe and an fp32 F.linear GEMV
 (one token) over as many bytes as the expert's weights. The limit (`stream_gbps`) is the faster of
-the last two. Every figure is the best of --reps runs; the probe and GEMV are re-measured for each row
-so that a row is self-consistent when other processes load the machine.
+the last two. Every figure is the best of --reps interleaved rounds; the probe and GEMV are re-measured for
+each row so that a row is self-consistent when other processes load the machine.
 
     python scripts/bench_kernel.py                       # Mixtral-8x7B expert, 1..128 tokens
     python scripts/bench_kernel.py --hidden 1024 --ffn 3584 --tokens 1 8 --json out.json
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -24,7 +25,6 @@ import fiddler.kernels as fk
 
 
 def best_time(fn, reps: int) -> float:
-    fn()  # warm-up: page faults, thread pool start
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -77,11 +77,19 @@ def main(argv=None) -> list[dict]:
     rows = []
     for tokens in args.tokens:
         x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-        probe = fk.bandwidth_probe(threads=threads, repeats=args.reps)
-        gemv_gbps = gemv_w.numel() * 4 / best_time(lambda: F.linear(gemv_x, gemv_w), args.reps) / 1e9
         out = torch.empty(tokens, H, dtype=torch.bfloat16)
-        k_s = best_time(lambda: expert.forward(x, out=out, threads=threads), args.reps)
-        t_s = best_time(lambda: torch_expert(x), args.reps)
+        # Interleaved rounds (probe, GEMV, kernel, torch, probe, ...) so that every figure of a row
+        # gets the same chances of a quiet moment on a shared machine; best of the rounds each.
+        expert.forward(x, out=out, threads=threads)
+        torch_expert(x)
+        F.linear(gemv_x, gemv_w)
+        probe, gemv_s, k_s, t_s = 0.0, float("inf"), float("inf"), float("inf")
+        for _ in range(args.reps):
+            probe = max(probe, fk.bandwidth_probe(threads=threads, repeats=2))
+            gemv_s = min(gemv_s, best_time(lambda: F.linear(gemv_x, gemv_w), 1))
+            k_s = min(k_s, best_time(lambda: expert.forward(x, out=out, threads=threads), 1))
+            t_s = min(t_s, best_time(lambda: torch_expert(x), 1))
+        gemv_gbps = gemv_w.numel() * 4 / gemv_s / 1e9
         ref = torch_expert(x).float()
         diff = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         row = {
@@ -94,12 +102,13 @@ def main(argv=None) -> list[dict]:
             "probe_gbps": probe,
             "gemv_fp32_gbps": gemv_gbps,
             "max_rel_diff": diff,
+            "loadavg_1m": os.getloadavg()[0],
         }
         rows.append(row)
         print(" ".join(f"{row[c]:>14.4g}" if isinstance(row[c], float) else f"{row[c]:>14}" for c in cols), flush=True)
     if args.json:
         meta = {"hidden": H, "ffn": FF, "threads": threads, "features": feats, "torch": torch.__version__,
-                "reps": args.reps, "pack_s": pack_s}
+                "reps": args.reps, "pack_s": pack_s, "cpu_count": os.cpu_count()}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return rows

@@ -59,6 +59,10 @@ def test_option_validation(tmp_path):
         DeepSpeedAdapter({"offload_device": "gpu"}, spec, _ctx(tmp_path))
     ad = DeepSpeedAdapter({"name": "deepspeed_mii", "adapter": "x:y"}, spec, _ctx(tmp_path))  # yaml keys ignored
     assert ad.info()["engine"] == "zero_offload" and ad.info()["install"] == INSTALL
+    from runners.schema import DeepSpeedEngine, OffloadDevice
+
+    ad = DeepSpeedAdapter({"engine": DeepSpeedEngine.mii, "offload_device": OffloadDevice.nvme}, spec, _ctx(tmp_path))
+    assert ad.opts["engine"] == "mii" and ad.opts["offload_device"] == "nvme"
 
 
 @pytest.mark.parametrize("engine", ["zero_offload", "mii"])

@@ -17,6 +17,7 @@ nvme_path, zero_overrides (merged into ``zero_optimization``), tensor_parallel a
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Callable
 
 from baselines.base import GenerationRequest, GenerationResult, SystemAdapter, SystemUnavailable
@@ -38,7 +39,8 @@ class DeepSpeedAdapter(SystemAdapter):
     def __init__(self, options, model, ctx):
         super().__init__(options, model, ctx)
         opts = dict(DEFAULTS)
-        opts.update({k: v for k, v in dict(options or {}).items() if k in DEFAULTS})
+        # structured configs may hand over Enum members; the adapter works with their values
+        opts.update({k: (v.value if isinstance(v, Enum) else v) for k, v in dict(options or {}).items() if k in DEFAULTS})
         if opts["engine"] not in ENGINES:
             raise ValueError(f"system.engine must be one of {ENGINES}, got {opts['engine']!r}")
         if opts["offload_device"] not in ("cpu", "nvme"):

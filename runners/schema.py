@@ -163,10 +163,9 @@ class Placement(Enum):
 
 
 @dataclass
-class FiddlerConfig(SystemConfig):
-    planner: Planner = Planner.makespan
-    placement: Placement = Placement.popularity
-    popularity_profile: Optional[str] = None  # JSON profile; None = uniform
+class EngineSystemConfig(SystemConfig):
+    """Options of every system that runs inside fiddler's engine (fiddler, mixtral_offloading)."""
+
     cpu_threads: Optional[int] = None  # None = environment.cpu.threads
     gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
 
@@ -175,6 +174,13 @@ class FiddlerConfig(SystemConfig):
             _check(lambda: self.cpu_threads >= 1, "system.cpu_threads", self.cpu_threads, "null or an integer >= 1")
         if self.gpu_budget_gb is not None:
             _check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
+
+
+@dataclass
+class FiddlerConfig(EngineSystemConfig):
+    planner: Planner = Planner.makespan
+    placement: Placement = Placement.popularity
+    popularity_profile: Optional[str] = None  # JSON profile; None = uniform
 
 
 _LLAMA_QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m",
@@ -214,25 +220,22 @@ class PrefetchInput(Enum):
 
 
 @dataclass
-class MixtralOffloadingConfig(SystemConfig):
+class MixtralOffloadingConfig(EngineSystemConfig):
     cache_size: Optional[int] = None  # experts per layer on the GPU; None = derived from the GPU budget
     default_cache_size: int = 2  # when cache_size is None and there is no GPU budget
-    gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
     prefetch: bool = True
     prefetch_k: Optional[int] = None  # None = the model's top_k
     prefetch_input: PrefetchInput = PrefetchInput.residual
     quantize: bool = False  # HQQ: attention 4-bit g64, experts 2-bit g16 (needs the hqq package)
-    cpu_threads: Optional[int] = None  # None = environment.cpu.threads
 
     def __post_init__(self) -> None:
-        for key in ("cache_size", "prefetch_k", "cpu_threads"):
+        super().__post_init__()
+        for key in ("cache_size", "prefetch_k"):
             v = getattr(self, key)
             if v is not None:
                 _check(lambda: v >= 1, f"system.{key}", v, "null or an integer >= 1")
         _check(lambda: self.default_cache_size >= 1, "system.default_cache_size", self.default_cache_size,
                "an integer >= 1")
-        if self.gpu_budget_gb is not None:
-            _check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
 
 
 class DeepSpeedEngine(Enum):

@@ -7,23 +7,37 @@ from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
 
 
 class FiddlerAdapter(SystemAdapter):
+    """Also the base of adapters of other policies that run inside fiddler's engine."""
+
+    def gpu_budget(self) -> tuple[int | None, str]:
+        """GPU memory budget in bytes (None = no GPU: every expert on the CPU path) and its source.
+
+        Without CUDA a budget > 0 is emulated: the engine's "GPU side" is then the CPU device, so the
+        orchestration (placement, plan, copies) runs as it would on a card of that size.
+        """
+        gb = self.options.get("gpu_budget_gb")
+        source = "system.gpu_budget_gb"
+        if gb is None:
+            gb, source = self.ctx.gpu_memory_gb, "environment.gpu.memory_gb"
+        if gb and gb > 0:
+            where = "" if self.ctx.has_cuda else ", emulated: the GPU side is the CPU device"
+            return int(gb * 2**30), f"{source}={gb:g} GB{where}"
+        if self.ctx.has_cuda:
+            return None, "engine default (free CUDA memory)"
+        return None, "none (no GPU)"
+
     def load(self) -> None:
         import torch
 
         from fiddler import Engine
 
-        threads = self.options.get("cpu_threads") or self.ctx.threads
-        budget_gb = self.options.get("gpu_budget_gb")
-        if budget_gb is None:
-            budget_gb = self.ctx.gpu_memory_gb
-        # no CUDA: there is no GPU budget; every expert runs on the CPU path (the engine's "GPU side"
-        # is the CPU device, so orchestration still runs)
-        budget = int(budget_gb * 2**30) if self.ctx.has_cuda else None
+        budget, self.budget_source = self.gpu_budget()
         self.engine = Engine.from_pretrained(
             self.model.path, dtype=getattr(torch, self.model.dtype), gpu_budget_bytes=budget,
             placement=self.options.get("placement", "popularity"),
             popularity=self.options.get("popularity_profile"), planner=self.options.get("planner", "makespan"),
-            cpu_threads=threads, max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch,
+            cpu_threads=self.options.get("cpu_threads") or self.ctx.threads,
+            max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch,
         )
 
     def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
@@ -39,7 +53,7 @@ class FiddlerAdapter(SystemAdapter):
             torch.cuda.synchronize()
 
     def info(self) -> dict[str, Any]:
-        return self.engine.info()
+        return {**self.engine.info(), "gpu_budget_source": self.budget_source}
 
     def close(self) -> None:
         self.engine = None

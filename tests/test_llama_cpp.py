@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 
 import numpy as np
@@ -151,6 +152,18 @@ def test_context_grows_with_request(llama_f32):
     assert llama_f32.llm.n_ctx >= n_ctx
 
 
+def test_gpu_layers_without_gpu_build_is_unavailable(tiny, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama-cpp-python build has a GPU backend")
+    from baselines.llama_cpp.adapter import LlamaCppAdapter
+
+    ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(tmp_path))
+    ad = LlamaCppAdapter({"n_gpu_layers": 4}, ModelSpec(name="t", path=str(tiny)), ctx)
+    with pytest.raises(SystemUnavailable, match="n_gpu_layers=4 needs a GPU build"):
+        ad.load()
+
+
 # ----------------------------------------------------------------------------- conversion errors
 def test_corrupted_checkpoint_names_the_problem(tiny, tmp_path):
     pytest.importorskip("llama_cpp")
@@ -184,6 +197,23 @@ def test_unsupported_architecture_is_unavailable(tiny, tmp_path):
         pytest.skip(str(exc).splitlines()[0])
     with pytest.raises(SystemUnavailable, match="llama.cpp cannot represent this checkpoint"):
         convert.ensure_gguf(bad, "f32", tmp_path / "cache")
+
+
+def test_checkpoint_hash_memo_tracks_changes(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    w = d / "model.safetensors"
+    w.write_bytes(b"abc")
+    memo = tmp_path / "memo.json"
+    h1 = convert.checkpoint_hash(d, memo)
+    assert h1 == convert.checkpoint_hash(d) and json.loads(memo.read_text())
+    assert convert.checkpoint_hash(d, memo) == h1
+    st = w.stat()
+    w.write_bytes(b"abd")  # same size, new content and mtime
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    h2 = convert.checkpoint_hash(d, memo)
+    assert h2 != h1 and h2 == convert.checkpoint_hash(d)
 
 
 def test_option_validation(tiny, tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -158,12 +159,25 @@ def find_converter(converter_dir: str | os.PathLike | None = None, fetch: bool =
     return fetch_converter(dest, version)
 
 
-def checkpoint_hash(model_dir: str | os.PathLike) -> str:
-    """sha256 over the names and contents of every regular file in the checkpoint directory."""
+def checkpoint_hash(model_dir: str | os.PathLike, memo_path: str | os.PathLike | None = None) -> str:
+    """sha256 over the names and contents of every regular file in the checkpoint directory.
+
+    With ``memo_path``, the hash is remembered there keyed by the directory and every file's
+    (name, size, mtime_ns), so multi-GiB checkpoints are read once, not at every load."""
     root = Path(model_dir)
     files = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
     if not files:
         raise GGUFConversionError(f"GGUF conversion failed: {root} holds no files")
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    memo: dict = {}
+    if memo_path is not None:
+        try:
+            memo = json.loads(Path(memo_path).read_text())
+        except (OSError, ValueError):
+            memo = {}
+        hit = memo.get(str(root.resolve()))
+        if isinstance(hit, dict) and hit.get("files") == stamp and isinstance(hit.get("sha256"), str):
+            return hit["sha256"]
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode() + b"\0")
@@ -171,7 +185,13 @@ def checkpoint_hash(model_dir: str | os.PathLike) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
         h.update(b"\0")
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if memo_path is not None:
+        memo[str(root.resolve())] = {"files": stamp, "sha256": digest}
+        tmp = Path(str(memo_path) + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    return digest
 
 
 def _first_error_line(text: str) -> str:
@@ -225,9 +245,11 @@ def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.Pa
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise GGUFConversionError(f"GGUF conversion failed: {model_dir} is not a Hugging Face checkpoint (no config.json)")
-    key = hashlib.sha256(f"{checkpoint_hash(model_dir)}|llama-cpp-python={llama_cpp_python_version()}".encode()).hexdigest()[:20]
     out_dir = Path(cache_dir) / "llama_cpp" / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir / "hash_memo.json.lock")):
+        ckpt = checkpoint_hash(model_dir, out_dir / "hash_memo.json")
+    key = hashlib.sha256(f"{ckpt}|llama-cpp-python={llama_cpp_python_version()}".encode()).hexdigest()[:20]
     out = out_dir / f"{key}-{quant}.gguf"
     with FileLock(str(out) + ".lock"):
         if out.is_file():

@@ -18,7 +18,7 @@ from . import _lib
 
 __all__ = [
     "PackedExpert", "PackedLinear", "expert_ffn", "isa", "set_isa", "features", "set_num_threads",
-    "get_num_threads", "bandwidth_probe", "is_available", "load_error",
+    "get_num_threads", "bandwidth_probe", "stream_working_set_bytes", "is_available", "load_error",
 ]
 
 _ISA_CODES = {"generic": 0, "avx2": 1, "avx512_bf16": 2}
@@ -114,19 +114,32 @@ def _threads(threads) -> int:
 
 # ------------------------------------------------------------------ bandwidth probe
 def _llc_bytes() -> int:
+    """Largest last-level cache size the OS reports (sysfs and sysconf can disagree in VMs)."""
+    sizes = []
     try:
         txt = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip().upper()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1], 1)
-        return int(txt.rstrip("KMG")) * mult
+        sizes.append(int(txt.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1], 1))
     except (OSError, ValueError):
-        return int(os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0) if hasattr(os, "sysconf") else 0
+        pass
+    try:
+        sizes.append(int(os.sysconf("SC_LEVEL3_CACHE_SIZE") or 0))
+    except (AttributeError, ValueError, OSError):
+        pass
+    return max(sizes, default=0)
+
+
+def stream_working_set_bytes() -> int:
+    """Bytes a bandwidth measurement must stream so no cache can hold them: 4x the LLC, at least
+    1 GiB (on some VMs repeated reads of 512 MiB still come back at twice the DRAM rate), at most
+    4 GiB."""
+    return min(max(4 * _llc_bytes(), 1 << 30), 4 << 30)
 
 
 def bandwidth_probe(nbytes: int | None = None, threads: int | None = None, repeats: int = 5) -> float:
-    """Best-of-`repeats` GB/s of a multithreaded streaming read over `nbytes` (default: 4x the
-    last-level cache, between 256 MiB and 1 GiB), with the widest vector loads the CPU has."""
+    """Best-of-`repeats` GB/s of a multithreaded streaming read over `nbytes` (default:
+    `stream_working_set_bytes()`), with the widest vector loads the CPU has."""
     if nbytes is None:
-        nbytes = min(max(4 * _llc_bytes(), 256 << 20), 1 << 30)
+        nbytes = stream_working_set_bytes()
     if nbytes < (1 << 20) or repeats < 1:
         raise ValueError("bandwidth_probe needs nbytes >= 1 MiB and repeats >= 1")
     gbps = _L().fk_bandwidth_probe(int(nbytes), _threads(threads), int(repeats))

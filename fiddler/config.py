@@ -121,12 +121,17 @@ class MoEConfig:
     def kv_cache_bytes(self, seq_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         return 2 * self.num_layers * batch * self.num_kv_heads * seq_len * self.head_dim * _dtype_size(dtype)
 
-    def decode_bytes_per_token(self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> int:
-        """Bytes a decode step must read from memory at least: active experts (top_k per layer, assuming
-        distinct experts per row at batch 1), attention projections, router, norms, lm_head and the KV
-        cache at its current length. The embedding row is negligible and ignored."""
+    def decode_bytes_per_token(
+        self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1, experts_per_layer: float | None = None
+    ) -> float:
+        """Bytes a decode step must read from memory at least: the active experts (`experts_per_layer`
+        distinct ones per layer, if known from the routing; else top_k * batch capped at num_experts),
+        attention projections, router, norms, lm_head and the KV cache of `batch` rows at length kv_len.
+        The embedding row is negligible and ignored."""
         s = _dtype_size(dtype)
-        experts = min(self.top_k * batch, self.num_experts) * self.num_layers * self.expert_bytes(dtype)
+        if experts_per_layer is None:
+            experts_per_layer = min(self.top_k * batch, self.num_experts)
+        experts = experts_per_layer * self.num_layers * self.expert_bytes(dtype)
         per_layer = self.layer_non_expert_params() * s
         head = self.vocab_size * self.hidden_size * s + self.hidden_size * s
         return experts + self.num_layers * per_layer + head + self.kv_cache_bytes(kv_len, batch, dtype)

@@ -241,6 +241,7 @@ class Engine:
         gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         if hasattr(self.executor, "reset_stats"):
             self.executor.reset_stats()
+        self.model.multi_row_expert_loads = self.model.multi_row_layer_steps = 0
         with torch_threads(self._torch_threads):
             out = generate(
                 self.model,
@@ -267,8 +268,12 @@ class Engine:
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
         st["executor"] = _plain(getattr(self.executor, "stats", {}))
         if lat and "memory_bandwidth" in self._info:
-            # Bytes a decode step must read, averaged over the steps actually run (the KV cache grows).
-            per_step = [self.config.decode_bytes_per_token(S + i + 1, self.dtype, B) for i in range(len(lat))]
+            # Bytes a decode step must read, averaged over the steps actually run (the KV cache grows);
+            # with beams, the experts the beams actually used (they share most of them).
+            m = self.model
+            experts = m.multi_row_expert_loads / m.multi_row_layer_steps if m.multi_row_layer_steps else None
+            st["decode_experts_per_layer"] = experts if experts is not None else self.config.top_k
+            per_step = [self.config.decode_bytes_per_token(S + i + 1, self.dtype, B, experts) for i in range(len(lat))]
             nbytes = sum(per_step) / len(per_step)
             bw = self._info["memory_bandwidth"]["bandwidth_gbs"]
             st["decode_bytes_per_token"] = nbytes

@@ -196,6 +196,10 @@ class MoETransformer:
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
+        # Distinct experts used per layer in decode steps with several rows (beams share experts), for
+        # the decode bound; with one row it is top_k and is not counted.
+        self.multi_row_expert_loads = 0
+        self.multi_row_layer_steps = 0
 
     def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A reusable output buffer for decode steps (one token per row); None for prefill, whose shapes vary."""
@@ -264,6 +268,9 @@ class MoETransformer:
             x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, qkv, o)
             h = rms_norm(x, n2, eps)
             idx, w = route(gate(h, out=self._buf("router", (B * T, cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
+            if T == 1 and B > 1:
+                self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
+                self.multi_row_layer_steps += 1
             x = x + self.executor.forward(i, h, idx, w)
             if after_moe is not None:
                 after_moe(i, x)

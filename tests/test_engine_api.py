@@ -46,6 +46,11 @@ def test_generate_output_and_stats():
     hi = cfg.decode_bytes_per_token(16, torch.bfloat16)
     assert lo < st["decode_bytes_per_token"] < hi
     assert st["decode_bound_fraction"] == pytest.approx(st["decode_tok_s"] / st["decode_bound_tok_s"])
+    # beams share experts: the bound counts the distinct experts the beams actually used per layer
+    bst = e.generate(prompt(9, 500), max_new_tokens=5, beam_width=3).stats
+    assert 4 <= bst["decode_experts_per_layer"] <= 12
+    assert bst["decode_bytes_per_token"] == pytest.approx(
+        cfg.decode_bytes_per_token(12, torch.bfloat16, 3, bst["decode_experts_per_layer"]), rel=0.01)
     info = e.info()
     json.dumps(info)  # records must be able to store it
     assert info["device"] == "cpu" and info["dtype"] == "bfloat16" and info["gpu_budget_bytes"] is None

@@ -143,8 +143,18 @@ class Engine:
         executor_factory: Callable | None = None,
         measure_bandwidth: bool = True,
     ) -> "Engine":
-        """Load an HF Mixtral checkpoint. Defaults: CUDA if present (GPU budget = 90% of free GPU memory)
-        else the CPU with no GPU budget; KV cache for max_batch=4 rows of min(context, 4096) tokens."""
+        """Load an HF Mixtral checkpoint (original per-expert safetensors layout, sharded or not).
+
+        dtype: model dtype (bf16; fp32 for exactness checks). device: where non-expert weights, the KV
+        cache and resident experts live (default: CUDA if present, else the CPU). gpu_budget_bytes: GPU
+        memory the engine may use (default on CUDA: 90% of free memory; None on a CPU device = no GPU,
+        every expert runs on the CPU path; on a CPU device a budget emulates a GPU with the CPU).
+        placement / popularity / planner / latency_model / seed: passed to the executor
+        (fiddler.executor.build_executor). cpu_threads: threads for the CPU kernel and torch (default:
+        all cores; note torch.set_num_threads is process-wide). max_seq_len / max_batch: KV-cache size
+        (default min(context, 4096) positions x 4 rows; beam_width <= max_batch). executor_factory: a
+        callable with build_executor's signature (tests use build_local_executor). measure_bandwidth:
+        probe host memory bandwidth once per process for the decode bound in generate()'s stats."""
         t_load = time.perf_counter()
         cfg = MoEConfig.from_pretrained(path)
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))

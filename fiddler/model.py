@@ -217,6 +217,8 @@ class MoETransformer:
     def set_kernel_max_tokens(self, n: int):
         for lin in self.linears():
             lin.kernel_max_tokens = n
+            if lin.packed is not None and n >= Linear.kernel_max_tokens:
+                lin.weight = None  # the kernel serves every token count: drop torch's copy of the weight
 
     def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
         cfg = self.cfg

@@ -14,7 +14,8 @@ Options (``conf/system/llama_cpp.yaml``):
   of llama-cpp-python; 0 on CPU;
 - ``n_cpu_moe``: keep the expert FFN tensors of the first N layers in host memory (llama.cpp's
   ``--n-cpu-moe``), implemented with ``tensor_buft_overrides``;
-- ``n_ctx``: KV-cache cells; null = derived from the request (prompt + beams x new tokens);
+- ``n_ctx``: KV-cache cells; null = 4096 (at most the training context), grown (context rebuilt,
+  ``stats.context_rebuilt``) when a request needs more (prompt + beams x new tokens);
 - ``n_batch``: prompt tokens per ``llama_decode`` (also the micro-batch);
 - ``flash_attn``: auto | on | off; ``kv_cache_type``: f16 (llama.cpp's default) | bf16 | f32 | q8_0 |
   q4_0; ``threads``: null = the environment's thread count;

@@ -120,7 +120,9 @@ class HQQAttentionLinear:
         self.nbytes = sum(t.numel() * t.element_size() for t in
                           [self.layer.W_q] + [v for v in self.layer.meta.values() if isinstance(v, torch.Tensor)])
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        # `out` is a hint (fiddler.model.Linear writes into it on its kernel path only); callers use the result
         y = self.layer(x)
         return y if out_dtype is None else y.to(out_dtype)
 

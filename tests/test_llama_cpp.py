@@ -112,8 +112,9 @@ def test_beam_search_returns_transformers_best_sequence(llama_f32, hf32):
 def test_greedy_exact_length_first_token_once_and_consistent(llama_f32, hf32):
     ids = _prompt(24, hf32.config.vocab_size, seed=3)
     for n_new in (1, 17):
-        calls = []
-        res = llama_f32.generate(GenerationRequest(input_ids=ids, max_new_tokens=n_new), lambda: calls.append(1))
+        calls: list[int] = []
+        res = llama_f32.generate(GenerationRequest(input_ids=ids, max_new_tokens=n_new),
+                                 lambda c=calls: c.append(1))
         assert calls == [1]
         assert len(res.tokens) == n_new
     # incremental decoding == teacher-forced argmax over prompt + generated tokens

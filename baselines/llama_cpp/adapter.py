@@ -25,9 +25,15 @@ Options (``conf/system/llama_cpp.yaml``):
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from baselines.base import GenerationRequest, GenerationResult, SystemAdapter, SystemUnavailable
+from baselines.base import (
+    GenerationRequest,
+    GenerationResult,
+    SystemAdapter,
+    SystemUnavailable,
+)
 
 from . import convert
 

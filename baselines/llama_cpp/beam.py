@@ -15,8 +15,8 @@ cumulative log-probability; its score is that sum divided by the number of gener
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -105,7 +105,7 @@ def fetch_converter(dest: Path, version: str, quiet: bool = True) -> Path:
         with tempfile.TemporaryDirectory(prefix="llama_cpp_sdist_") as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
                    "--disable-pip-version-check", "-d", tmp, f"llama-cpp-python=={version}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             sdists = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             if proc.returncode != 0 or not sdists:
                 tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
@@ -208,7 +208,7 @@ def run_converter(model_dir: Path, out: Path, outtype: str, converter: Path) -> 
            "--outfile", str(out), "--outtype", outtype]
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0 or not out.is_file():
         log = (proc.stderr or "") + (proc.stdout or "")
         reason = _first_error_line(log)

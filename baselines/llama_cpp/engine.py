@@ -10,11 +10,12 @@ versions). The KV cache is *unified* (one cell pool shared by all sequences), so
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,7 +32,7 @@ def _install_logger(llama_cpp) -> None:
     if _log_cb is None:
         last = ["INFO"]
 
-        def _cb(level, text, user_data):  # noqa: ARG001
+        def _cb(level, text, user_data):
             lvl = _LOG_LEVELS.get(level, "INFO")
             if lvl == "CONT":
                 lvl = last[0]
@@ -188,11 +189,9 @@ class LlamaCppModel:
             self.lc.llama_model_free(self.model)
             self.model = None
 
-    def __del__(self):  # pragma: no cover - best effort
-        try:
+    def __del__(self):  # pragma: no cover - interpreter shutdown may have torn llama_cpp down already
+        with contextlib.suppress(AttributeError, TypeError, OSError):
             self.close()
-        except Exception:
-            pass
 
     # -- KV-cache sequences -----------------------------------------------------------------
     def clear(self) -> None:

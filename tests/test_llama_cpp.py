@@ -217,6 +217,18 @@ def test_checkpoint_hash_memo_tracks_changes(tmp_path):
     assert h2 != h1 and h2 == convert.checkpoint_hash(d)
 
 
+def test_offline_without_converter_is_a_clear_unavailable(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    monkeypatch.setenv("FIDDLER_CACHE", str(tmp_path))  # empty converter cache
+    monkeypatch.delenv("FIDDLER_LLAMA_CPP_CONVERTER", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip can reach no package index
+    monkeypatch.setenv("PIP_FIND_LINKS", " ")
+    with pytest.raises(SystemUnavailable, match="converter is not available") as ei:
+        convert.find_converter()
+    assert "FIDDLER_LLAMA_CPP_CONVERTER" in str(ei.value)
+    assert not (tmp_path / "llama_cpp_converter" / convert.llama_cpp_python_version()).exists()
+
+
 def test_option_validation(tiny, tmp_path):
     from baselines.llama_cpp.adapter import LlamaCppAdapter
 

@@ -187,6 +187,9 @@ _LLAMA_QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "
                  "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
 
 
+_LLAMA_KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0")
+
+
 class OnOffAuto(Enum):
     auto = "auto"
     on = "on"
@@ -204,6 +207,7 @@ class LlamaCppConfig(SystemConfig):
     threads: Optional[int] = None  # None = environment.cpu.threads
     converter_dir: Optional[str] = None  # llama.cpp source tree with convert_hf_to_gguf.py
     verbose: bool = False
+    kv_cache_type: str = "f16"  # llama.cpp's default; also bf16, f32, q8_0, q4_0
 
     def __post_init__(self) -> None:
         _check(lambda: self.quant in _LLAMA_QUANTS, "system.quant", self.quant, ", ".join(_LLAMA_QUANTS))
@@ -212,6 +216,8 @@ class LlamaCppConfig(SystemConfig):
         _check(lambda: self.n_batch >= 1, "system.n_batch", self.n_batch, "an integer >= 1")
         if self.threads is not None:
             _check(lambda: self.threads >= 1, "system.threads", self.threads, "null or an integer >= 1")
+        _check(lambda: self.kv_cache_type in _LLAMA_KV_TYPES, "system.kv_cache_type", self.kv_cache_type,
+               ", ".join(_LLAMA_KV_TYPES))
 
 
 class PrefetchInput(Enum):

@@ -61,6 +61,9 @@ class SystemAdapter(abc.ABC):
 
     #: token accounting used for beams: tokens counted are those of the returned sequence (paper)
     token_accounting = "returned_sequence"
+    #: environment variables the system needs set before torch (or its own runtime) is imported,
+    #: e.g. OpenMP settings read once at library load; the runner then runs it in a fresh process
+    process_env: dict[str, str] = {}
 
     def __init__(self, options: dict[str, Any], model: ModelSpec, ctx: RunContext):
         self.options = options

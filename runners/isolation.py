@@ -9,6 +9,7 @@ rest, so one bad configuration never loses the others.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 from typing import Any, Callable, Iterator
@@ -55,7 +56,16 @@ def run_isolated(job: Job, todo: list[int], *, timeout_s: float | None, memory_l
     while remaining:
         parent_conn, child_conn = _CTX.Pipe(duplex=False)
         proc = _CTX.Process(target=_child_main, args=(job, remaining, child_conn, memory_limit_gb), daemon=True)
-        proc.start()
+        saved = {k: os.environ.get(k) for k in job.process_env}
+        os.environ.update(job.process_env)  # a spawned child inherits the environment at start
+        try:
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         child_conn.close()
         current: int | None = None
         started = time.monotonic()

@@ -4,6 +4,7 @@ records and the table. `run.py` calls :func:`run_job`; tests call it through Hyd
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import uuid
@@ -13,9 +14,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from baselines.base import SystemUnavailable
 from runners import records, tables
 from runners.schema import Config, ConfigError, Isolation, Mode, validate
-from runners.session import Job, Session, base_record
+from runners.session import Job, Session, base_record, load_adapter_class
 from runners.workloads import expand
 
 
@@ -92,11 +94,24 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
             print(f"resume: {len(points) - len(todo)} of {len(points)} configurations already have an ok "
                   f"record (run.force=true re-runs them)", file=sys.stderr)
 
+    try:
+        process_env = dict(load_adapter_class(conf.system.adapter).process_env)
+    except SystemUnavailable:  # recorded as `skipped` when the job loads the system
+        process_env = {}
     isolation = conf.run.isolation
     if isolation is Isolation.auto:
-        isolation = Isolation.process if len(todo) > 1 else Isolation.inline
+        # a fresh process when there is more than one configuration, or when the system needs its
+        # environment set before torch loads (this process may have loaded it already)
+        isolation = Isolation.process if len(todo) > 1 or process_env else Isolation.inline
+    if isolation is Isolation.inline and process_env:
+        if "torch" in sys.modules:
+            print(f"warning: run.isolation=inline: {process_env} cannot take effect (torch is already loaded)",
+                  file=sys.stderr)
+            process_env = {}
+        else:
+            os.environ.update(process_env)
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
-              isolation=isolation.value)
+              isolation=isolation.value, process_env=process_env)
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
     try:

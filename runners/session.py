@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +27,7 @@ class Job:
     points: list[dict[str, int]]
     hashes: list[str]
     isolation: str
+    process_env: dict[str, str] = field(default_factory=dict)  # set before the system's process imports torch
 
     @property
     def system(self) -> dict[str, Any]:
@@ -106,7 +107,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
                              "simulated": cfg["mode"] == "simulate"},
         "method": {"timer": "time.perf_counter", "sync": "adapter.synchronize() before each reading",
                    "warmup": cfg["workload"]["warmup"], "repetitions": cfg["workload"]["repetitions"],
-                   "isolation": job.isolation},
+                   "isolation": job.isolation, "process_env": job.process_env},
         "seeds": {"workload": cfg["workload"]["seed"], "model": cfg["model"]["seed"]},
     }
 

@@ -39,3 +39,14 @@ class FakeSystem(SystemAdapter):
 
     def info(self):
         return {"fake": True}
+
+
+class FakeEnvSystem(FakeSystem):
+    """Declares an environment variable its process needs; reports what it saw."""
+
+    process_env = {"FIDDLER_FAKE_ENV": "set-before-start"}
+
+    def generate(self, request, on_first_token):
+        result = super().generate(request, on_first_token)
+        result.stats["env"] = os.environ.get("FIDDLER_FAKE_ENV")
+        return result

@@ -227,3 +227,13 @@ def test_tables_keep_rows_that_differ_only_in_an_option():
     assert "planner=paper" in md and "variant" in md
     single = tables.build([rec("paper", 2, "1")])
     assert "variant" not in tables.to_markdown(single)
+
+
+def test_process_env_is_set_in_a_fresh_process(tmp_path):
+    import os
+
+    recs = _job(tmp_path, "system.adapter=tests.fake_systems:FakeEnvSystem", "workload.input_lens=[8]")
+    assert recs[0]["method"]["isolation"] == "process"  # one configuration, still its own process
+    assert recs[0]["stats"]["env"] == "set-before-start"
+    assert recs[0]["method"]["process_env"] == {"FIDDLER_FAKE_ENV": "set-before-start"}
+    assert "FIDDLER_FAKE_ENV" not in os.environ  # the parent's environment is left as it was

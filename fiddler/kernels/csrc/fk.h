@@ -64,6 +64,10 @@ void silu_mul_generic(const float* a, const float* b, int64_t n, uint16_t* h);
 void store_generic(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
 uint64_t read_generic(const void* p, int64_t n);
 #if defined(__x86_64__)
+// the AVX512-BF16 epilogues and probe read, reused by the AMX path
+void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h);
+void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
+uint64_t read_avx512_bf16(const void* p, int64_t n);
 extern const IsaOps kAvx2Ops;
 extern const IsaOps kAvx512Ops;
 extern const IsaOps kAmxOps;       // real AMX tiles

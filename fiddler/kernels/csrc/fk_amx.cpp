@@ -11,10 +11,6 @@
 
 namespace fk {
 
-void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h);
-void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
-uint64_t read_avx512_bf16(const void* p, int64_t n);
-
 namespace {
 #define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
 #define TILE_ZERO(t) _tile_zero(t)

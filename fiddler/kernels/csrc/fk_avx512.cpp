@@ -66,9 +66,11 @@ void mk_avx512(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx
   kMk[m - 1](w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
 }
 
+}  // namespace
+
 // exp on [-87.3, 88.7] by range reduction to |r| <= ln2/2 and a degree-7 polynomial
 // (relative error ~1e-7, far below bf16 rounding).
-inline __m512 exp_ps(__m512 x) {
+static inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -84,7 +86,7 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-void silu_mul_avx512(const float* a, const float* b, int64_t n, uint16_t* h) {
+void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h) {
   int64_t i = 0;
   for (; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
@@ -96,7 +98,7 @@ void silu_mul_avx512(const float* a, const float* b, int64_t n, uint16_t* h) {
   }
 }
 
-void store_avx512(const float* acc, const float* bias, int64_t n, void* y, bool out_f32) {
+void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
     __m512 v = _mm512_maskz_loadu_ps(k, acc + i);
@@ -106,7 +108,7 @@ void store_avx512(const float* acc, const float* bias, int64_t n, void* y, bool 
   }
 }
 
-uint64_t read_avx512(const void* p, int64_t n) {
+uint64_t read_avx512_bf16(const void* p, int64_t n) {
   const char* q = static_cast<const char*>(p);
   __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
   for (int64_t i = 0; i < n; i += 256) {
@@ -119,19 +121,8 @@ uint64_t read_avx512(const void* p, int64_t n) {
       _mm512_xor_si512(_mm512_xor_si512(s0, s1), _mm512_xor_si512(s2, s3))));
 }
 
-}  // namespace
-
-// Shared with the AMX path, which only replaces the micro-kernel.
-void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h) {
-  silu_mul_avx512(a, b, n, h);
-}
-void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32) {
-  store_avx512(acc, bias, n, y, out_f32);
-}
-uint64_t read_avx512_bf16(const void* p, int64_t n) { return read_avx512(p, n); }
-
-extern const IsaOps kAvx512Ops = {"avx512_bf16", kMr, mk_avx512, silu_mul_avx512, store_avx512,
-                                  read_avx512};
+extern const IsaOps kAvx512Ops = {"avx512_bf16", kMr, mk_avx512, silu_mul_avx512_bf16,
+                                  store_avx512_bf16, read_avx512_bf16};
 
 }  // namespace fk
 

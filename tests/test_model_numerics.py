@@ -40,12 +40,24 @@ if _has_fiddler_executor():
     # This hand-made latency model copies experts in for multi-token batches and runs single tokens on the
     # CPU, so decisions a, b and c all occur (per-kind checks: tests/test_executor.py).
     _MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
-    VARIANTS["fiddler-emul-half-paper"] = dict(gpu_budget_bytes=1 << 40, placement="fraction:0.5", planner="paper",
-                                               latency_model=_MIX)
-    VARIANTS["fiddler-emul-none-makespan"] = dict(gpu_budget_bytes=1 << 40, placement="none", planner="makespan",
-                                                  latency_model=_MIX)
+    # Every planner x 0%, 50% and 100% of experts resident on the emulated GPU.
+    for _placement, _name in (("none", "none"), ("fraction:0.5", "half"), ("all", "all")):
+        for _planner in ("paper", "makespan"):
+            VARIANTS[f"fiddler-emul-{_name}-{_planner}"] = dict(
+                gpu_budget_bytes=1 << 40, placement=_placement, planner=_planner, latency_model=_MIX)
 
 variant_params = pytest.mark.parametrize("variant", list(VARIANTS))
+# Decision kinds each emulated placement must produce with _MIX (a: resident, b: copied in, c: CPU).
+EXPECTED_KINDS = {"none": "bc", "half": "abc", "all": "a"}
+
+
+def assert_decision_kinds(variant: str, out) -> None:
+    """The run really used the decision kinds its placement implies (not, say, all-CPU)."""
+    if not variant.startswith("fiddler-emul-"):
+        return
+    tokens = out.stats["executor"]["tokens"]
+    used = "".join(k for k in "abc" if tokens[k] > 0)
+    assert used == EXPECTED_KINDS[variant.split("-")[2]], (variant, tokens)
 # Generation tests on the two required shapes; logits tests also on the head_dim/tied-embedding model.
 arch_params = pytest.mark.parametrize("arch", ["e8k2", "e16k4_odd"])
 all_arch_params = pytest.mark.parametrize("arch", list(ARCHS))
@@ -79,6 +91,7 @@ def test_fp32_greedy_matches_transformers(arch, variant):
     ref = hf(arch, torch.float32).generate(ids[None], max_new_tokens=32, do_sample=False)[0, 12:]
     out = engine(arch, variant, torch.float32).generate(ids, max_new_tokens=32)
     assert out.tokens.tolist() == ref.tolist()
+    assert_decision_kinds(variant, out)
 
 
 @arch_params
@@ -91,6 +104,7 @@ def test_fp32_beam_search_matches_transformers(arch, variant):
     out = engine(arch, variant, torch.float32).generate(ids, max_new_tokens=16, beam_width=4)
     assert out.tokens.tolist() == ref.sequences[0, 10:].tolist()
     assert out.sequences_scores == pytest.approx(float(ref.sequences_scores[0]), abs=1e-4)
+    assert_decision_kinds(variant, out)
     # Beam search must beat (or tie) greedy on the length-normalised log-prob it maximises.
     greedy = engine(arch, variant, torch.float32).generate(ids, max_new_tokens=16).tokens
     logp = torch.log_softmax(engine(arch, variant, torch.float32).forward_logits(torch.cat([ids, greedy])), -1)

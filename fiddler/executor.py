@@ -131,6 +131,14 @@ class ExecutorStats:
 
 # ---------------------------------------------------------------------------- executor
 
+def expert_counts(flat_idx: torch.Tensor, num_experts: int, layer: int) -> list[int]:
+    """Routed (token, slot) pairs per expert: the one host sync per layer. Rejects bad expert ids."""
+    counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
+    if len(counts) != num_experts:
+        raise ValueError(f"expert ids must be in [0, {num_experts}), got {len(counts) - 1} (layer {layer})")
+    return counts
+
+
 class MoEExecutor:
     def __init__(self, config, experts: list[list[ExpertWeights]], *, device: torch.device, dtype: torch.dtype,
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None, has_gpu: bool,
@@ -321,9 +329,7 @@ class MoEExecutor:
         if self.recorder is not None:
             self.recorder.record(layer, topk_idx)
         flat = topk_idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=E).tolist()  # the one host sync per layer: plans need counts
-        if len(counts) != E:
-            raise ValueError(f"expert ids must be in [0, {E}), got {len(counts) - 1} (layer {layer})")
+        counts = expert_counts(flat, E, layer)  # plans need counts
         plan: LayerPlan = self._planner(counts, self.placement.resident[layer], self.latency_model)
 
         # Group (token, slot) pairs by expert, tokens in order within an expert (a stable sort, as

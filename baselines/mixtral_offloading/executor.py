@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fiddler.executor import torch_expert
+from fiddler.executor import expert_counts, torch_expert
 from fiddler.model import rms_norm
 from fiddler.placement import reservation
 from fiddler.planner import COPY, CPU, GPU, KINDS
@@ -323,9 +323,7 @@ class OffloadingExecutor:
         if self.recorder is not None:
             self.recorder.record(layer, topk_idx)
         flat = topk_idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=E).tolist()  # the one host sync per layer
-        if len(counts) != E:
-            raise ValueError(f"expert ids must be in [0, {E}), got {len(counts) - 1} (layer {layer})")
+        counts = expert_counts(flat, E, layer)
         active = [e for e in range(E) if counts[e]]
         cache, st, ls = self.lru[layer], self.stats, self.stats.layers[layer]
         hits = [e for e in active if e in cache]

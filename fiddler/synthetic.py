@@ -57,19 +57,6 @@ MIXTRAL_DEFAULTS: dict = {
     "tie_word_embeddings": False,
 }
 
-PRESETS: dict[str, dict] = {
-    "tiny_mixtral": dict(
-        hidden_size=128, intermediate_size=320, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=1024,
-        max_position_embeddings=8192,
-    ),
-    "small_mixtral": dict(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
-        max_position_embeddings=8192,
-    ),
-}
-
 _DTYPES = {
     "bfloat16": (torch.bfloat16, "BF16"),
     "float16": (torch.float16, "F16"),

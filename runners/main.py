@@ -3,7 +3,6 @@ records and the table. `run.py` calls :func:`run_job`; tests call it through Hyd
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -204,6 +203,3 @@ class _Progress:
 def failures(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in recs if r["status"] not in ("ok", "skipped")]
 
-
-def dump_config(cfg: DictConfig) -> str:
-    return json.dumps(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), indent=2, default=str)

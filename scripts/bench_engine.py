@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fiddler import Engine  # noqa: E402
-from fiddler.synthetic import PRESETS, default_cache_root, ensure_synthetic_model  # noqa: E402
+from runners.models import synthetic_model  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -33,7 +33,7 @@ def _timed(fn) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small_mixtral", help="checkpoint dir or a fiddler.synthetic preset name")
+    ap.add_argument("--model", default="small_mixtral", help="checkpoint dir or a synthetic model of conf/model/")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -45,7 +45,7 @@ def main() -> int:
 
     path = pathlib.Path(args.model)
     if not path.is_dir():
-        path = ensure_synthetic_model(args.model, PRESETS[args.model], 0, default_cache_root(), dtype="bfloat16")
+        path = synthetic_model(args.model, progress=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

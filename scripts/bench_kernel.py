@@ -27,15 +27,11 @@ import torch
 import torch.nn.functional as F
 
 import fiddler.kernels as fk
+from fiddler import latency
 
 
 def best_time(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return latency.best_time(fn, repeats=reps, warmup=0)
 
 
 def main(argv=None) -> list[dict]:

@@ -17,26 +17,13 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # usable from a checkout without `pip install -e .`
 
-from fiddler.synthetic import PRESETS, default_cache_root, ensure_synthetic_model  # noqa: E402
-
-
-def load_preset(preset: str) -> tuple[dict, int, str]:
-    """(arch, seed, dtype) from conf/model/<preset>.yaml when present (the harness's source of truth), else built-ins."""
-    yaml_path = REPO / "conf" / "model" / f"{preset}.yaml"
-    if yaml_path.exists():
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(OmegaConf.load(yaml_path), resolve=True)
-        if isinstance(cfg, dict) and isinstance(cfg.get("arch"), dict):
-            return dict(cfg["arch"]), int(cfg.get("seed") or 0), str(cfg.get("dtype") or "bfloat16")
-    if preset not in PRESETS:
-        raise SystemExit(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
-    return dict(PRESETS[preset]), 0, "bfloat16"
+from fiddler.synthetic import default_cache_root, ensure_synthetic_model  # noqa: E402
+from runners.models import preset as load_preset, synthetic_presets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="named architecture (arch-json overrides keys)")
+    p.add_argument("--preset", choices=synthetic_presets(), help="named architecture (arch-json overrides keys)")
     p.add_argument("--name", help="model name, the directory prefix (default: the preset name)")
     p.add_argument("--out", help=f"cache root (default: {default_cache_root()})")
     p.add_argument("--arch-json", default="{}", help="Mixtral config keys as JSON, e.g. '{\"hidden_size\": 64}'")

@@ -28,9 +28,9 @@ def _ctx(tmp) -> RunContext:
 
 
 def _tiny() -> pathlib.Path:
-    from fiddler.synthetic import PRESETS, default_cache_root, ensure_synthetic_model
+    from runners.models import synthetic_model
 
-    return ensure_synthetic_model("tiny_mixtral", PRESETS["tiny_mixtral"], 0, default_cache_root(), progress=False)
+    return synthetic_model("tiny_mixtral")
 
 
 # ----------------------------------------------------------------------------- no deepspeed needed

@@ -2,7 +2,6 @@
 late or busy pool never blocks a caller, and forked children get a working pool."""
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.llamacpp
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def tiny():
-    from fiddler.synthetic import PRESETS, default_cache_root, ensure_synthetic_model
+    from runners.models import synthetic_model
 
-    return ensure_synthetic_model("tiny_mixtral", PRESETS["tiny_mixtral"], 0, default_cache_root(), progress=False)
+    return synthetic_model("tiny_mixtral")
 
 
 def _adapter(tiny, cache_dir, **options):

@@ -14,9 +14,10 @@ import torch
 from safetensors import safe_open
 
 from fiddler import synthetic as syn
+from runners.models import preset
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = syn.PRESETS["tiny_mixtral"]
+TINY = preset("tiny_mixtral")[0]
 
 
 def _sha(path: pathlib.Path) -> str:

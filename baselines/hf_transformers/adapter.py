@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
 
-_DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
 # preference order for `experts_implementation=auto`
 _FASTEST_FIRST = ("grouped_mm", "eager")
 
@@ -26,7 +25,7 @@ class HFTransformersAdapter(SystemAdapter):
         if impl == "auto":
             impl = self._fastest_available()
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model.path, dtype=getattr(torch, _DTYPES[self.model.dtype]), experts_implementation=impl,
+            self.model.path, dtype=getattr(torch, self.model.dtype), experts_implementation=impl,
         ).to(self.device).eval()
         self.experts_implementation = self.model.config._experts_implementation
 

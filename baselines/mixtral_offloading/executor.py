@@ -36,7 +36,7 @@ import torch
 from fiddler.executor import expert_counts, torch_expert
 from fiddler.model import rms_norm
 from fiddler.placement import reservation
-from fiddler.planner import COPY, CPU, GPU, KINDS
+from fiddler.planner import COPY, GPU, KINDS
 from fiddler.weights import ExpertWeights
 
 #: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo

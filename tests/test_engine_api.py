@@ -16,7 +16,8 @@ from fiddler.synthetic import default_cache_root, ensure_synthetic_model
 from fiddler.weights import CheckpointError, load_weights
 from tests.models import ARCHS, model_path, prompt
 
-REF = dict(executor_factory=build_local_executor, measure_bandwidth=False)
+# device="cpu": these are CPU-path tests; on a CUDA host the engine would otherwise default to the GPU.
+REF = dict(executor_factory=build_local_executor, measure_bandwidth=False, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def _copy(src, dst):
 
 
 def test_generate_output_and_stats():
-    e = Engine.from_pretrained(model_path("e16k4_odd"), executor_factory=build_local_executor)  # bf16 default
+    e = Engine.from_pretrained(model_path("e16k4_odd"), executor_factory=build_local_executor, device="cpu")  # bf16 default
     first = []
     out = e.generate(prompt(9, 500), max_new_tokens=7, on_first_token=lambda: first.append(1))
     assert out.tokens.dtype == torch.long and out.tokens.shape == (7,)

@@ -29,6 +29,7 @@ def hf(arch: str):
 
 def engine(arch: str, **kw):
     kw.setdefault("dtype", torch.float32)
+    kw.setdefault("device", "cpu")  # the CPU stands in for the GPU; test_cuda_side_stream_copies asks for CUDA
     return load_engine(model_path(arch), measure_bandwidth=False, **kw)
 
 

@@ -65,7 +65,7 @@ all_arch_params = pytest.mark.parametrize("arch", list(ARCHS))
 
 @functools.cache
 def engine(arch: str, variant: str, dtype: torch.dtype) -> Engine:
-    return Engine.from_pretrained(model_path(arch), dtype=dtype, measure_bandwidth=False, **VARIANTS[variant])
+    return Engine.from_pretrained(model_path(arch), dtype=dtype, measure_bandwidth=False, device="cpu", **VARIANTS[variant])
 
 
 @functools.cache
@@ -246,7 +246,8 @@ def test_fp32_sliding_window_matches_transformers(tmp_path):
     ref_model = MixtralForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     ref_model.generation_config.eos_token_id = None
     ref_model.generation_config.pad_token_id = 0
-    e = Engine.from_pretrained(d, dtype=torch.float32, measure_bandwidth=False, executor_factory=build_local_executor)
+    e = Engine.from_pretrained(d, dtype=torch.float32, measure_bandwidth=False, executor_factory=build_local_executor,
+                               device="cpu")
     ids = prompt(14, ARCHS["e8k2"]["vocab_size"], seed=6)
     with torch.no_grad():
         ref = ref_model(ids[None]).logits[0]

@@ -328,6 +328,11 @@ class MoEExecutor:
             raise TypeError(f"x has dtype {x.dtype} but the executor runs in {self.dtype}")
         if self.recorder is not None:
             self.recorder.record(layer, topk_idx)
+        if (T == 1 and self.kernel is not None and x.device.type == "cpu" and x.is_contiguous()
+                and topk_w.dtype == torch.bfloat16):
+            out = self._decode_row_on_cpu(layer, x, topk_idx, topk_w, t_start)
+            if out is not None:
+                return out
         flat = topk_idx.reshape(-1)
         counts = expert_counts(flat, E, layer)  # plans need counts
         plan: LayerPlan = self._planner(counts, self.placement.resident[layer], self.latency_model)
@@ -393,6 +398,29 @@ class MoEExecutor:
             slots[t_c, s_c] = y_c * topk_w[t_c, s_c].unsqueeze(-1)
         out = slots.sum(dim=1)
         self._account(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
+        return out
+
+    def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                           t_start: float) -> torch.Tensor | None:
+        """One token whose plan puts every routed expert on the CPU (always so without a GPU): all of
+        them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
+        between experts), with the same roundings as the general path below. None: not this case."""
+        ids = topk_idx[0].tolist()
+        E = self.config.num_experts
+        counts = [0] * E
+        for e in ids:
+            if not 0 <= e < E:
+                raise ValueError(f"expert ids must be in [0, {E}), got {e} (layer {layer})")
+            counts[e] += 1
+        if max(counts) > 1:
+            return None  # a repeated id (not from top-k): the general path sums its slots
+        plan: LayerPlan = self._planner(counts, self.placement.resident[layer], self.latency_model)
+        packed = self.packed[layer]
+        if any(d is not None and (d != CPU or packed[e] is None) for e, d in enumerate(plan.decisions)):
+            return None
+        out = self.kernel.moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.all_threads)
+        wall = time.perf_counter() - t_start
+        self._account(layer, plan, len(ids), wall, wall)
         return out
 
     def _account(self, layer: int, plan: LayerPlan, routed: int, wall: float, cpu_s: float) -> None:

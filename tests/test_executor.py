@@ -185,6 +185,36 @@ def test_bf16_cpu_path_close_to_fp32():
         assert ex.info()["cpu_expert_path"].startswith("kernel:")
 
 
+def test_bf16_decode_row_fused_equals_general_path(monkeypatch):
+    """One token, every routed expert on the CPU: the executor runs them in one kernel call
+    (fiddler.kernels.moe_ffn) with the same result and the same accounting as the general path."""
+    experts = make_experts(dtype=torch.bfloat16)
+    kw = dict(device="cpu", gpu_budget_bytes=None, max_seq_len=64, max_batch=1)
+    fused, general = build_executor(CFG, experts, **kw), build_executor(CFG, experts, **kw)
+    if fused.kernel is None:
+        pytest.skip("kernel library not built")
+    calls = []
+    real = fused.kernel.moe_ffn
+    monkeypatch.setattr(fused.kernel, "moe_ffn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(general, "_decode_row_on_cpu", lambda *a: None)  # force the general path
+    for seed in range(6):
+        x, idx, w = routing(1, dtype=torch.bfloat16, seed=seed)
+        assert torch.equal(fused.forward(seed % CFG.num_layers, x, idx, w), general.forward(seed % CFG.num_layers, x, idx, w))
+    assert len(calls) == 6  # the fused path really ran
+    assert fused.stats.tokens == general.stats.tokens == {GPU: 0, COPY: 0, CPU: 6 * CFG.top_k}
+    assert [ls.tokens for ls in fused.stats.layers] == [ls.tokens for ls in general.stats.layers]
+    check_stats(fused, 6 * CFG.top_k)
+    with pytest.raises(ValueError, match="expert ids"):
+        fused.forward(0, x, torch.tensor([[0, CFG.num_experts]]), w)
+    # an emulated GPU whose plan keeps a resident expert on the GPU side: not the fused case
+    emul = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+                          placement="all", planner="makespan", latency_model=LM_CPU)
+    calls.clear()
+    x, idx, w = routing(1, dtype=torch.bfloat16, seed=1)
+    emul.forward(0, x, idx, w)
+    assert emul.stats.tokens[GPU] == CFG.top_k and calls == []
+
+
 def test_recorder_and_info():
     ex = build_executor(CFG, make_experts(), device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
                         placement="popularity", planner="paper", latency_model=LM_EVEN)

@@ -123,6 +123,40 @@ def test_paths_agree_and_threads_do_not_change_results():
     assert pe.nbytes >= 3 * 300 * 700 * 2 and (pe.hidden, pe.ffn) == (300, 700)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("hidden,ffn,tokens,n", [(64, 96, 1, 2), (100, 300, 1, 4), (33, 17, 3, 3), (96, 2080, 13, 2)])
+def test_moe_ffn_equals_per_expert_combine(path, hidden, ffn, tokens, n):
+    """moe_ffn (all experts of a decode step in one call) rounds exactly like the executor's torch
+    combine of per-expert results: (y_e * w_e) in bf16, summed over experts with one rounding."""
+    use_path(path)
+    g = torch.Generator().manual_seed(hidden + n)
+    experts = [fk.PackedExpert(*expert_case(hidden, ffn, 1, seed=hidden * 10 + e)[1:]) for e in range(n)]
+    x = rand_bf16(tokens, hidden, gen=g)
+    w = torch.softmax(torch.randn(n, generator=g), 0).to(torch.bfloat16)
+    ref = torch.stack([e.forward(x) * w[i] for i, e in enumerate(experts)], 1).sum(1)
+    out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16)
+    assert fk.moe_ffn(experts, w, x, out=out) is out
+    assert torch.equal(out, ref)
+    assert torch.equal(fk.moe_ffn(experts, w, x, threads=1), ref)
+
+
+def test_moe_ffn_bad_inputs_raise():
+    _, w1, w3, w2 = expert_case(64, 96, 1)
+    a, b = fk.PackedExpert(w1, w3, w2), fk.PackedExpert(w1[:, :32].contiguous(), w3[:, :32].contiguous(), w2[:32].contiguous())
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w2x = torch.ones(2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at least one"):
+        fk.moe_ffn([], w2x, x)
+    with pytest.raises(ValueError, match="share one shape"):
+        fk.moe_ffn([a, b], w2x, x)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        fk.moe_ffn([a, a], torch.ones(3, dtype=torch.bfloat16), x)
+    with pytest.raises(TypeError, match="bfloat16"):
+        fk.moe_ffn([a, a], torch.ones(2), x)
+    with pytest.raises(ValueError, match=r"\[tokens, 64\]"):
+        fk.moe_ffn([a, a], w2x, torch.zeros(1, 65, dtype=torch.bfloat16))
+
+
 def test_out_argument_and_zero_tokens():
     x, w1, w3, w2 = expert_case(64, 96, 5)
     pe = fk.PackedExpert(w1, w3, w2)

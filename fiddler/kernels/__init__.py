@@ -9,6 +9,7 @@ a path. Calls release the GIL.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from ctypes import c_void_p
 
@@ -17,7 +18,7 @@ import torch
 from . import _lib
 
 __all__ = [
-    "PackedExpert", "PackedLinear", "expert_ffn", "isa", "set_isa", "features", "set_num_threads",
+    "PackedExpert", "PackedLinear", "expert_ffn", "moe_ffn", "isa", "set_isa", "features", "set_num_threads",
     "get_num_threads", "bandwidth_probe", "stream_working_set_bytes", "is_available", "load_error",
 ]
 
@@ -273,6 +274,34 @@ class PackedLinear:
         return out
 
     __call__ = forward
+
+
+def moe_ffn(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None,
+            threads: int | None = None) -> torch.Tensor:
+    """The MoE combine of one decode step in one call: sum_e bf16(bf16(experts[e](x)) * weights[e]) for rows
+    x [tokens, hidden] that all use the same experts (fp32 sum rounded to bf16 once, like
+    `(y * w).sum(dim)` in torch). weights: bf16 [len(experts)]. One pooled region for every expert's
+    gate/up pass and one for the down passes (two barriers per layer instead of two per expert)."""
+    if not experts:
+        raise ValueError("moe_ffn needs at least one expert")
+    hidden, ffn = experts[0].hidden, experts[0].ffn
+    if any(e.hidden != hidden or e.ffn != ffn for e in experts):
+        raise ValueError("moe_ffn: experts must share one shape")
+    tokens = _check_x(x, hidden, "expert")
+    _check_tensor("weights", weights, 1)
+    if weights.shape[0] != len(experts):
+        raise ValueError(f"weights must have one entry per expert ({len(experts)}), got {weights.shape[0]}")
+    if out is None:
+        out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    else:
+        _check_out(out, (tokens, hidden), torch.bfloat16)
+    if tokens:
+        n = len(experts)
+        p13 = (ctypes.c_void_p * n)(*(e._w13.data_ptr() for e in experts))
+        p2 = (ctypes.c_void_p * n)(*(e._w2.data_ptr() for e in experts))
+        _lib.check(_L().fk_moe_ffn(p13, p2, weights.data_ptr(), n, hidden, ffn, x.data_ptr(), tokens,
+                                   out.data_ptr(), _threads(threads)))
+    return out
 
 
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, threads: int | None = None) -> torch.Tensor:

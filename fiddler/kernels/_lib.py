@@ -49,6 +49,11 @@ def _declare(l: ctypes.CDLL) -> None:
             c.c_int,
             [c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_int],
         ),
+        "fk_moe_ffn": (
+            c.c_int,
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int64, c.c_int64, c.c_void_p, c.c_int64,
+             c.c_void_p, c.c_int],
+        ),
         "fk_linear": (
             c.c_int,
             [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int],

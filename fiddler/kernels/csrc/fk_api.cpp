@@ -565,6 +565,60 @@ FK_API int fk_expert_ffn(const void* p13, const void* p2, int64_t hidden, int64_
   return 0;
 }
 
+// The MoE block of one decode step on the CPU: y = sum_e bf16(bf16(FFN_e(x)) * w_e) over n_experts
+// experts that all see the same rows x[tokens][hidden] (fp32 sum, rounded to bf16 once) -- the
+// roundings of the executor's torch combine (slots = y * w; slots.sum(1)), so results are unchanged.
+// One call instead of one per expert: the gate/up pass of every expert is one pooled region and
+// the down pass of every expert another, so a layer has 2 barriers instead of 2 per expert and no
+// Python between experts. p13[e], p2[e]: packed weights as for fk_expert_ffn; w: bf16 [n_experts].
+FK_API int fk_moe_ffn(const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts,
+                      int64_t hidden, int64_t ffn, const uint16_t* x, int64_t tokens, uint16_t* y,
+                      int threads) {
+  if (!p13 || !p2 || !w || !x || !y || n_experts <= 0 || hidden <= 0 || ffn <= 0 || tokens <= 0)
+    return fail("fk_moe_ffn: bad arguments");
+  for (int e = 0; e < n_experts; ++e)
+    if (!p13[e] || !p2[e]) return fail("fk_moe_ffn: null expert weights");
+  const Plan p = make_plan(tokens);
+  const int64_t kp_h = round_up(hidden, kAlignK), kp_f = round_up(ffn, kAlignK);
+  const int64_t nb_f = round_up(ffn, kBlockN) / kBlockN, nb_h = round_up(hidden, kBlockN) / kBlockN;
+  const int64_t ldh = nb_f * kBlockN, h_stride = p.rows * ldh;
+  int64_t ldx;
+  const uint16_t* xp = prepare_x(x, tokens, hidden, p.rows, kp_h, &ldx);
+  uint16_t* h = scratch(t_h, size_t(n_experts * h_stride));
+  const int64_t items1 = n_experts * nb_f;
+  pool().run(thread_count(threads, items1, 2 * items1 * block_bytes(kp_h), tokens), items1, 1,
+             [&](int64_t i0, int64_t i1) {
+               float* acc = scratch(t_acc, size_t(2 * p.rows * kBlockN));
+               for (int64_t i = i0; i < i1; ++i) {
+                 const int64_t e = i / nb_f, nb = i % nb_f;
+                 block_product(p, static_cast<const uint8_t*>(p13[e]), 2, kp_h, nb, xp, ldx, acc);
+                 uint16_t* he = h + e * h_stride;
+                 for (int64_t t = 0; t < p.rows; ++t)
+                   p.ops->silu_mul(acc + t * kBlockN, acc + (p.rows + t) * kBlockN, kBlockN,
+                                   he + t * ldh + nb * kBlockN);
+               }
+             });
+  pool().run(thread_count(threads, nb_h, n_experts * nb_h * block_bytes(kp_f), tokens), nb_h, 1,
+             [&](int64_t b0, int64_t b1) {
+               float* acc = scratch(t_acc, size_t(p.rows * kBlockN));
+               std::vector<float> sum(size_t(tokens * kBlockN));
+               for (int64_t nb = b0; nb < b1; ++nb) {
+                 std::fill(sum.begin(), sum.end(), 0.0f);
+                 for (int e = 0; e < n_experts; ++e) {
+                   block_product(p, static_cast<const uint8_t*>(p2[e]), 1, kp_f, nb, h + e * h_stride, ldh, acc);
+                   const float we = bf16_to_f32(w[e]);
+                   for (int64_t t = 0; t < tokens; ++t)
+                     for (int i = 0; i < kBlockN; ++i)
+                       sum[t * kBlockN + i] += bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(acc[t * kBlockN + i])) * we));
+                 }
+                 const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
+                 for (int64_t t = 0; t < tokens; ++t)
+                   for (int64_t i = 0; i < n; ++i) y[t * hidden + nb * kBlockN + i] = f32_to_bf16(sum[t * kBlockN + i]);
+               }
+             });
+  return 0;
+}
+
 // y[tokens][n] = x[tokens][k] . W^T (+ bias), W packed with groups = 1; y bf16 or fp32.
 FK_API int fk_linear(const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
                      const float* bias, void* y, int out_f32, int threads) {

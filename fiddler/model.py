@@ -16,6 +16,15 @@ from .config import MoEConfig
 from .weights import ExpertWeights, ModelWeights
 
 
+def _decode_kernels():
+    """fiddler.kernels.decode if the compiled library has the fused decode ops, else None."""
+    try:
+        from .kernels import decode
+    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
+        return None
+    return decode if decode.is_available() else None
+
+
 def _kernels():
     """fiddler.kernels if its compiled library loaded, else None."""
     try:
@@ -159,7 +168,16 @@ class KVCache:
 
 
 class MoETransformer:
-    """Mixtral decoder. `forward(tokens[B, T], start_pos)` appends to the KV cache and returns logits."""
+    """Mixtral decoder. `forward(tokens[B, T], start_pos)` appends to the KV cache and returns logits.
+
+    Decode fast path: for one new token per row (T == 1) in bf16 on the CPU, the per-token small ops
+    (RMSNorms, rope, KV-cache write, attention) run as single calls into the C++ kernel library
+    (fiddler.kernels.decode) instead of ~40 torch ops per layer. RMSNorm, rope and the cache contents are
+    bit-exact with the torch path; attention agrees within one bf16 ulp of each head's output magnitude
+    (summation order and exp differ from torch's flash-attention kernel). `decode_fastpath`: None = use it
+    where available, False = always the torch ops (reference), True = require it. The attribute of the
+    same name can be switched between forward calls (only to False, or back on if it was available).
+    """
 
     def __init__(
         self,
@@ -172,6 +190,7 @@ class MoETransformer:
         dtype: torch.dtype,
         device,
         use_kernel: bool | None = None,
+        decode_fastpath: bool | None = None,
     ):
         self.cfg, self.executor, self.dtype, self.device = cfg, executor, dtype, torch.device(device)
         self.embed = weights.embed
@@ -196,10 +215,39 @@ class MoETransformer:
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
+        self._decode_norm = None
+        self._decode_ops, why = self._make_decode_ops(use_kernel)
+        if decode_fastpath and self._decode_ops is None:
+            raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
+        self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
         # Distinct experts used per layer in decode steps with several rows (beams share experts), for
         # the decode bound; with one row it is top_k and is not counted.
         self.multi_row_expert_loads = 0
         self.multi_row_layer_steps = 0
+
+    def _make_decode_ops(self, use_kernel: bool | None):
+        """(fiddler.kernels.decode.DecodeAttention bound to this model's cache, None) or (None, why not)."""
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return None, f"needs bf16 on the CPU (model is {self.dtype} on {self.device})"
+        if use_kernel is False:
+            return None, "use_kernel=False"
+        kd = _decode_kernels()
+        if kd is None:
+            try:
+                from .kernels import decode as kd_err
+                return None, kd_err.load_error()
+            except Exception as e:  # noqa: BLE001
+                return None, f"fiddler.kernels.decode did not import: {e}"
+        norms = [self.norm] + [w for layer in self.layers for w in (layer[0], layer[3])]
+        if any(w.dtype != torch.bfloat16 or w.dim() != 1 or not w.is_contiguous() for w in norms):
+            return None, "norm weights are not contiguous 1-D bf16"
+        try:
+            ops = kd.DecodeAttention(self.cache.k, self.cache.v, self.cos, self.sin, num_heads=self.cfg.num_heads,
+                                     sliding_window=self.cfg.sliding_window)
+        except (TypeError, ValueError) as e:
+            return None, str(e)
+        self._decode_norm = kd.rms_norm
+        return ops, None
 
     def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A reusable output buffer for decode steps (one token per row); None for prefill, whose shapes vary."""
@@ -252,6 +300,36 @@ class MoETransformer:
         o = o.reshape(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)
         return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype))
 
+    def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """forward() for T == 1 with the fused kernels (see the class docstring); same results contract."""
+        cfg, eps, dt = self.cfg, self.cfg.rms_norm_eps, self.dtype
+        B, H = tokens.shape[0], cfg.hidden_size
+        norm, attend = self._decode_norm, self._decode_ops
+        if attend.k_cache is not self.cache.k or attend.v_cache is not self.cache.v:
+            raise RuntimeError("the KV cache was replaced after the decode kernels were bound to it")
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        buf_n1, buf_n2 = self._buf("norm1", (B, H), dt), self._buf("norm2", (B, H), dt)
+        buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
+        buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
+        buf_router = self._buf("router", (B, cfg.num_experts), dt)
+        x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
+        after_moe = getattr(self.executor, "after_moe", None)
+        for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
+            x = x + o(attend(i, qkv(norm(x, n1, eps, out=buf_n1), out=buf_qkv), pos, buf_att), out=buf_o)
+            h = norm(x, n2, eps, out=buf_n2)
+            idx, w = route(gate(h, out=buf_router), cfg.top_k, dt)
+            if B > 1:
+                self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
+                self.multi_row_layer_steps += 1
+            x = x + self.executor.forward(i, h, idx, w)
+            if after_moe is not None:
+                after_moe(i, x)
+        xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
+        if all_logits:
+            return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)
+        # Note: decode logits live in a reused buffer, valid until the next forward call.
+        return self.lm_head(xn, out_dtype=torch.float32, out=self._buf("logits", (B, cfg.vocab_size), torch.float32))
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] at positions start_pos.. -> fp32 logits [B, V] of the last position
@@ -261,6 +339,8 @@ class MoETransformer:
             raise ValueError(f"sequence length {start_pos + T} exceeds the KV cache size max_seq_len={self.max_seq_len}")
         if B > self.max_batch:
             raise ValueError(f"batch {B} exceeds max_batch={self.max_batch}")
+        if T == 1 and self.decode_fastpath and self._decode_ops is not None and tokens.device.type == "cpu":
+            return self._decode_step(tokens, start_pos, all_logits)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H]
         # optional executor hook: sees the residual stream after each MoE layer (e.g. to guess and prefetch

@@ -2,6 +2,7 @@
 
     python scripts/bench_engine.py                       # small_mixtral (generated on first use), bf16
     python scripts/bench_engine.py --model PATH --prompt-len 128 --new-tokens 32 --repeats 3
+    python scripts/bench_engine.py --no-hf --compare-fastpath   # fused decode kernels on vs torch ops
 
 Both systems are timed the same way from outside: prefill = time to the first new token of a
 1-token generation; decode tok/s = (N-1) / (time(generate N) - time(generate 1)). Runs alternate
@@ -41,6 +42,9 @@ def main() -> int:
     ap.add_argument("--beam-width", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="engine only")
     ap.add_argument("--json", action="store_true", help="print one JSON line with the results")
+    ap.add_argument("--compare-fastpath", action="store_true",
+                    help="also time the engine with its fused decode kernels off (torch ops for norms, rope, "
+                         "KV-cache write and attention: MoETransformer.decode_fastpath = False), alternating")
     args = ap.parse_args()
 
     path = pathlib.Path(args.model)
@@ -56,12 +60,18 @@ def main() -> int:
     N, B = args.new_tokens, args.beam_width
 
     systems = {"fiddler": {}}
-    runs = {
-        "fiddler": (
-            lambda: engine.generate(ids, max_new_tokens=1, beam_width=B),
-            lambda: engine.generate(ids, max_new_tokens=N, beam_width=B),
-        )
-    }
+    fast_default = engine.model.decode_fastpath
+
+    def gen(n, fast=fast_default):
+        engine.model.decode_fastpath = fast
+        return engine.generate(ids, max_new_tokens=n, beam_width=B)
+
+    runs = {"fiddler": (lambda: gen(1), lambda: gen(N))}
+    if args.compare_fastpath:
+        if not fast_default:
+            print("note: the fused decode kernels are not available here; both rows use the torch ops")
+        systems["fiddler-torch-ops"] = {}
+        runs["fiddler-torch-ops"] = (lambda: gen(1, False), lambda: gen(N, False))
     if not args.no_hf:
         from transformers import MixtralForCausalLM
 
@@ -85,7 +95,7 @@ def main() -> int:
                 r = systems[name]
                 r["prefill_s"] = min(r.get("prefill_s", 1e9), t1)
                 r["decode_tok_s"] = max(r.get("decode_tok_s", 0.0), (N - 1) / max(tn - t1, 1e-9))
-    out = engine.generate(ids, max_new_tokens=N, beam_width=B)
+    out = gen(N)
     st = out.stats
     for r in systems.values():
         r["prefill_tok_s"] = args.prompt_len / r["prefill_s"]
@@ -95,6 +105,7 @@ def main() -> int:
         "engine": {k: st.get(k) for k in ("decode_tok_s", "decode_bound_tok_s", "decode_bound_fraction",
                                           "decode_bytes_per_token", "memory_bandwidth_gbs", "ttft_s")},
         "engine_info": {k: engine.info().get(k) for k in ("kernel_isa", "kernel_linears", "kernel_max_tokens", "executor", "memory_bandwidth")},
+        "decode_fastpath": fast_default,
     }
     if "transformers" in systems:
         f, t = systems["fiddler"], systems["transformers"]
@@ -104,7 +115,10 @@ def main() -> int:
         return 0
     print(f"model {path.name}  prompt {args.prompt_len}  new {N}  beam {B}  threads {res['threads']}")
     for name, r in systems.items():
-        print(f"  {name:13s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.2f} tok/s")
+        print(f"  {name:17s} prefill {r['prefill_tok_s']:8.1f} tok/s   decode {r['decode_tok_s']:7.2f} tok/s")
+    if "fiddler-torch-ops" in systems:
+        r = systems["fiddler"]["decode_tok_s"] / systems["fiddler-torch-ops"]["decode_tok_s"]
+        print(f"  fused decode kernels on/off: decode {r:.3f}x")
     if "ratios" in res:
         print(f"  ratios fiddler/transformers: decode {res['ratios']['decode']:.2f}x  prefill {res['ratios']['prefill']:.2f}x")
     e = res["engine"]

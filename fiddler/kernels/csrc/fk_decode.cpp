@@ -1,0 +1,195 @@
+// C entry points for the small per-token ops of a bf16 decode step (one new token per sequence):
+// RMSNorm, and rope + KV-cache write + single-query GQA attention fused in one call. They touch
+// kilobytes; the point is one ctypes call instead of dozens of torch ops (each ~5-100 us of
+// dispatch). Results follow torch's bf16 rounding points (see each function); fiddler.model uses
+// them for T == 1 and tests/test_decode_fastpath.py checks them against the torch ops.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fk.h"
+
+#define FK_API extern "C" __attribute__((visibility("default")))
+
+extern "C" int fk_isa();  // fk_api.cpp: 0 generic, 1 avx2, 2 avx512_bf16 (honours FIDDLER_KERNEL_ISA)
+
+namespace fk {
+namespace decode {
+
+// The ISA builds of the attention kernel (bit-identical results; see fk_decode_impl.h).
+namespace generic {
+#include "fk_decode_impl.h"
+}
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#include "fk_decode_impl.h"
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+#include "fk_decode_impl.h"
+}
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+thread_local std::string g_error;
+int fail(const std::string& msg) {
+  g_error = msg;
+  return -1;
+}
+
+// ---------------------------------------------------------------- torch's fp32 sum, replayed
+// x.pow(2).mean(-1) on the CPU is at::sum then a division by n. The sum is ATen's cascade_sum
+// (aten/src/ATen/native/cpu/SumKernel.cpp): an inner contiguous row of n >= 8 floats is summed as
+// Vectorized<float> units of 8 lanes (the reduction kernels are compiled for AVX2 even where torch
+// reports AVX512: 8 lanes, checked against torch 2.13 on an AVX512 CPU), 4 independent
+// accumulators (ilp), a 4-level cascade; then the scalar tail, then the 8 lanes in order. Shorter
+// rows use the same cascade on scalars. Replaying it makes rms_norm bit-exact against torch.
+constexpr int kSumLanes = 8;
+
+int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(uint64_t(x - 1));
+}
+
+// ATen multi_row_sum<nrows = 4>: units are `lanes`-wide; unit u of row r starts at x2 + (4u + r) * lanes.
+void multi_row_sum(const float* x2, int lanes, int64_t size, float out[4][kSumLanes]) {
+  constexpr int kLevels = 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  float acc[kLevels][4][kSumLanes] = {};
+  auto add_unit = [&](float* a, int64_t unit) {
+    for (int l = 0; l < lanes; ++l) a[l] += x2[unit * lanes + l];
+  };
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; ++k) add_unit(acc[0][k], i * 4 + k);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < lanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < 4; ++k) add_unit(acc[0][k], i * 4 + k);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < lanes; ++l) acc[0][k][l] += acc[j][k][l];
+  std::memcpy(out, acc[0], sizeof(acc[0]));
+}
+
+// ATen row_sum (ilp 4) over `size` units of `lanes` floats; result in out[0..lanes).
+void row_sum(const float* x2, int lanes, int64_t size, float* out) {
+  float p[4][kSumLanes];
+  multi_row_sum(x2, lanes, size / 4, p);
+  for (int64_t i = size / 4 * 4; i < size; ++i)
+    for (int l = 0; l < lanes; ++l) p[0][l] += x2[i * lanes + l];
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < lanes; ++l) p[0][l] += p[k][l];
+  std::memcpy(out, p[0], sizeof(float) * lanes);
+}
+
+float torch_sum(const float* x2, int64_t n) {
+  float v[kSumLanes];
+  if (n < kSumLanes) {  // scalar_inner_sum
+    row_sum(x2, 1, n, v);
+    return v[0];
+  }
+  const int64_t nv = n / kSumLanes;  // vectorized_inner_sum
+  row_sum(x2, kSumLanes, nv, v);
+  float s = 0.0f;
+  for (int64_t k = nv * kSumLanes; k < n; ++k) s += x2[k];
+  for (int l = 0; l < kSumLanes; ++l) s += v[l];
+  return s;
+}
+
+thread_local std::vector<float> g_scratch;
+
+}  // namespace
+}  // namespace decode
+}  // namespace fk
+
+using namespace fk::decode;
+
+FK_API const char* fk_decode_last_error() { return g_error.c_str(); }
+
+// out[r] = bf16(w * bf16(h * 1/sqrt(mean(h^2) + eps))), h = float(x[r]): fiddler.model.rms_norm on
+// bf16 (torch: fp32 norm, cast to bf16, bf16 * bf16 computed in fp32 and rounded once). Bit-exact,
+// including the mean's summation order (torch_sum above) and 1/sqrt as torch's rsqrt computes it.
+// x, out: [rows, n] contiguous (out may alias x); w: [n].
+FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t n, float eps, uint16_t* out) {
+  if (rows < 0 || n < 1) return fail("rmsnorm: rows must be >= 0 and n >= 1");
+  if (!x || !w || !out) return fail("rmsnorm: null pointer");
+  std::vector<float>& h = g_scratch;
+  if (int64_t(h.size()) < 2 * n) h.resize(size_t(2 * n));
+  float* hf = h.data();
+  float* h2 = hf + n;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      hf[i] = fk::bf16_to_f32(xr[i]);
+      h2[i] = hf[i] * hf[i];
+    }
+    const float mean = torch_sum(h2, n) / float(n);
+    const float inv = 1.0f / std::sqrt(mean + eps);
+    uint16_t* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      const float hb = fk::bf16_to_f32(fk::f32_to_bf16(hf[i] * inv));
+      o[i] = fk::f32_to_bf16(fk::bf16_to_f32(w[i]) * hb);
+    }
+  }
+  return 0;
+}
+
+// One decode step of attention for B sequences (one new token each, at position `pos`):
+//   qkv   [B, (nh + 2*nkv) * d] bf16: the fused projection output, per row q heads, k heads, v heads
+//   cos, sin [>= pos+1, d] bf16 rope tables (row `pos` is used)
+//   kcache, vcache [max_batch, nkv, max_seq, d] bf16: one layer of the KV cache; row b < B is written
+//          at `pos` (k after rope, v as is) and read over the attended positions
+//   window: sliding window (<= 0: none); with one, keys j <= pos - window are masked (as
+//          fiddler.model._attention does when pos + 1 > window)
+//   out   [B, nh * d] bf16: softmax((q.k) * scale) @ v per head, the layout o_proj reads
+// Rope is bit-exact against torch's bf16 ops (q*cos and rotate_half(q)*sin each rounded to bf16,
+// their fp32 sum rounded to bf16), so the cache contents are too. Attention: fp32 scores from the bf16
+// q and k, fp32 softmax, torch's flash-attention structure (fk_decode_impl.h); not bit-exact.
+FK_API int fk_rope_attn_decode_bf16(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d,
+                                    int64_t pos, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache,
+                                    uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window,
+                                    float scale, uint16_t* out) {
+  if (!qkv || !cos || !sin || !kcache || !vcache || !out) return fail("rope_attn_decode: null pointer");
+  if (B < 1 || B > max_batch) return fail("rope_attn_decode: need 1 <= B <= max_batch");
+  if (nh < 1 || nkv < 1 || nh % nkv) return fail("rope_attn_decode: num_heads must be a positive multiple of num_kv_heads");
+  if (d < 2 || d % 2) return fail("rope_attn_decode: head_dim must be even and >= 2");
+  if (pos < 0 || pos >= max_seq) return fail("rope_attn_decode: pos must be in [0, max_seq)");
+  const int64_t j0 = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+  std::vector<float>& sc = g_scratch;
+  const size_t need = size_t(max_seq + 3 * d);
+  if (sc.size() < need) sc.resize(need);
+  const uint16_t* cr = cos + pos * d;
+  const uint16_t* sr = sin + pos * d;
+  switch (fk_isa()) {
+#if defined(__x86_64__)
+    case 2:
+      avx512::rope_attn_decode(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq, j0, scale, out, sc.data());
+      break;
+    case 1:
+      avx2::rope_attn_decode(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq, j0, scale, out, sc.data());
+      break;
+#endif
+    default:
+      generic::rope_attn_decode(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq, j0, scale, out, sc.data());
+  }
+  return 0;
+}

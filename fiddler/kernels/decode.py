@@ -1,0 +1,208 @@
+"""Fused per-token ops of a bf16 CPU decode step (csrc/fk_decode.cpp), one ctypes call each.
+
+* `rms_norm(x, weight, eps, out=None)`: fiddler.model.rms_norm for bf16, bit-exact.
+* `rope_attention_decode(qkv, pos, cos, sin, k_cache, v_cache, ...)`: rope on the new token's q and k
+  (bit-exact), k/v written into the KV cache at `pos`, single-query GQA attention over positions
+  [0, pos] (or the sliding window), output [B, num_heads * head_dim] as o_proj reads it.
+* `DecodeAttention`: the same bound to one model's KV cache and rope tables, validated once, for the
+  hot path (a few microseconds of Python per call).
+
+A decode step used to spend ~40 torch ops per layer on these (rms_norm 8, rope ~14, two index_put
+cache writes, SDPA, reshapes); each costs 5-140 us of dispatch on a small CPU, more than the math.
+Numerics against the torch ops: see fk_decode.cpp and tests/test_decode_fastpath.py.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import _lib
+
+__all__ = ["DecodeAttention", "is_available", "load_error", "rms_norm", "rope_attention_decode"]
+
+_BF16 = torch.bfloat16
+_error: str | None = None
+
+
+def _declare() -> bool:
+    global _error
+    L = _lib.lib
+    if L is None:
+        _error = f"fiddler.kernels unavailable: {_lib.load_error}"
+        return False
+    c = ctypes
+    i64, vp = c.c_int64, c.c_void_p
+    sigs = {
+        "fk_decode_last_error": (c.c_char_p, []),
+        "fk_rmsnorm_bf16": (c.c_int, [vp, vp, i64, i64, c.c_float, vp]),
+        "fk_rope_attn_decode_bf16": (
+            c.c_int, [vp, i64, i64, i64, i64, i64, vp, vp, vp, vp, i64, i64, i64, c.c_float, vp],
+        ),
+    }
+    try:
+        for name, (res, args) in sigs.items():
+            f = getattr(L, name)
+            f.restype, f.argtypes = res, args
+    except AttributeError as e:  # a library built before fk_decode.cpp existed
+        _error = f"the kernel library lacks the decode ops ({e}); rebuild with `pip install -e .`"
+        return False
+    return True
+
+
+_ok = _declare()
+if _ok:
+    _rmsnorm = _lib.lib.fk_rmsnorm_bf16
+    _rope_attn = _lib.lib.fk_rope_attn_decode_bf16
+
+
+def is_available() -> bool:
+    """Whether the compiled library has the decode ops."""
+    return _ok
+
+
+def load_error() -> str | None:
+    return _error
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"fiddler.kernels.decode: {_lib.lib.fk_decode_last_error().decode()}")
+
+
+def _need():
+    if not _ok:
+        raise RuntimeError(_error)
+
+
+def _check_bf16(name: str, t, dim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != _BF16:
+        raise TypeError(f"{name} must be torch.bfloat16, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+
+
+def _check_out(out, shape: tuple) -> None:
+    _check_bf16("out", out)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dim, for bf16 x [..., n] and weight [n];
+    bit-exact with fiddler.model.rms_norm. `out` (same shape as x) may be x itself."""
+    _need()
+    _check_bf16("x", x)
+    _check_bf16("weight", weight, 1)
+    n = weight.shape[0]
+    if x.dim() < 1 or x.shape[-1] != n or n == 0:
+        raise ValueError(f"x must be [..., {n}] to match weight, got {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        _check_out(out, tuple(x.shape))
+    rows = x.numel() // n
+    if rows:
+        _check(_rmsnorm(x.data_ptr(), weight.data_ptr(), rows, n, eps, out.data_ptr()))
+    return out
+
+
+def _check_cache(k_cache, v_cache) -> tuple[int, int, int, int]:
+    _check_bf16("k_cache", k_cache, 4)
+    _check_bf16("v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    return tuple(int(s) for s in k_cache.shape)  # max_batch, nkv, max_seq, d
+
+
+def _check_tables(cos, sin, max_seq: int, d: int) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_bf16(name, t, 2)
+        if t.shape[0] < max_seq or t.shape[1] != d:
+            raise ValueError(f"{name} must be [>= {max_seq}, {d}] (positions x head_dim), got {tuple(t.shape)}")
+
+
+class DecodeAttention:
+    """rope + KV-cache write + attention for one model: `k_cache`/`v_cache` [layers, max_batch, kv_heads,
+    max_seq, head_dim] and the rope tables are validated here once; each call checks only its qkv/out."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 num_heads: int, sliding_window: int | None = None):
+        _need()
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_bf16(name, t, 5)
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        layers, self.max_batch, self.nkv, self.max_seq, self.d = (int(s) for s in k_cache.shape)
+        if num_heads < 1 or num_heads % self.nkv:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({self.nkv})")
+        if self.d % 2:
+            raise ValueError(f"head_dim ({self.d}) must be even for rotary embeddings")
+        _check_tables(cos, sin, self.max_seq, self.d)
+        self.nh, self.layers = int(num_heads), layers
+        self.width = (self.nh + 2 * self.nkv) * self.d
+        self.window = int(sliding_window or 0)
+        self.scale = self.d**-0.5
+        # kept alive (only their addresses are used below) and visible, so owners can check the binding
+        self.k_cache, self.v_cache, self.cos, self.sin = k_cache, v_cache, cos, sin
+        layer_bytes = k_cache.stride(0) * k_cache.element_size()
+        self._k = [k_cache.data_ptr() + i * layer_bytes for i in range(layers)]
+        self._v = [v_cache.data_ptr() + i * layer_bytes for i in range(layers)]
+        self._cos, self._sin = cos.data_ptr(), sin.data_ptr()
+
+    def __call__(self, layer: int, qkv: torch.Tensor, pos: int, out: torch.Tensor) -> torch.Tensor:
+        """qkv [B, (nh + 2 nkv) d] bf16 contiguous (B <= max_batch) -> out [B, nh d] bf16 contiguous."""
+        B = qkv.shape[0]
+        if (qkv.dtype != _BF16 or out.dtype != _BF16 or qkv.dim() != 2 or qkv.shape[1] != self.width
+                or tuple(out.shape) != (B, self.nh * self.d) or not (qkv.is_contiguous() and out.is_contiguous())
+                or qkv.device.type != "cpu" or out.device.type != "cpu"):
+            raise ValueError(
+                f"qkv must be a contiguous CPU bf16 [B, {self.width}] and out [B, {self.nh * self.d}]; got qkv "
+                f"{qkv.dtype} {tuple(qkv.shape)}, out {out.dtype} {tuple(out.shape)}")
+        if not 0 <= pos < self.max_seq:
+            raise ValueError(f"pos {pos} outside the KV cache [0, {self.max_seq})")
+        _check(_rope_attn(qkv.data_ptr(), B, self.nh, self.nkv, self.d, pos, self._cos, self._sin,
+                          self._k[layer], self._v[layer], self.max_batch, self.max_seq, self.window, self.scale,
+                          out.data_ptr()))
+        return out
+
+
+def rope_attention_decode(qkv: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
+                          sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of attention for B rows (one new token each, at position `pos`).
+
+    qkv [B, (num_heads + 2 kv_heads) * d]: fused q/k/v projection of the new tokens; cos/sin [>= max_seq, d]
+    rope tables; k_cache/v_cache [max_batch, kv_heads, max_seq, d] (one layer), written at `pos` for
+    rows < B. Returns out [B, num_heads * d] = softmax(q k^T / sqrt(d)) v per head over keys [0, pos]
+    (keys > pos - sliding_window with a window)."""
+    _need()
+    _check_bf16("qkv", qkv, 2)
+    max_batch, nkv, max_seq, d = _check_cache(k_cache, v_cache)
+    if num_heads < 1 or num_heads % nkv:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({nkv})")
+    if d % 2:
+        raise ValueError(f"head_dim ({d}) must be even for rotary embeddings")
+    B, width = qkv.shape
+    if width != (num_heads + 2 * nkv) * d:
+        raise ValueError(f"qkv must be [B, {(num_heads + 2 * nkv) * d}] for {num_heads} heads, {nkv} KV heads "
+                         f"of dim {d}; got {tuple(qkv.shape)}")
+    if not 1 <= B <= max_batch:
+        raise ValueError(f"qkv has {B} rows; the cache holds 1..{max_batch}")
+    if not isinstance(pos, int) or not 0 <= pos < max_seq:
+        raise ValueError(f"pos must be an int in [0, {max_seq}), got {pos!r}")
+    _check_tables(cos, sin, pos + 1, d)
+    if out is None:
+        out = torch.empty(B, num_heads * d, dtype=_BF16)
+    else:
+        _check_out(out, (B, num_heads * d))
+    _check(_rope_attn(qkv.data_ptr(), B, num_heads, nkv, d, pos, cos.data_ptr(), sin.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), max_batch, max_seq, int(sliding_window or 0),
+                      d**-0.5, out.data_ptr()))
+    return out

@@ -74,4 +74,9 @@ extern const IsaOps kAmxOps;       // real AMX tiles
 #endif
 extern const IsaOps kAmxEmuOps;    // the same AMX driver code on software tiles (tests its logic)
 
+// fn(ctx, begin, end) over disjoint ranges covering [0, items) on the kernel's thread pool
+// (fk_api.cpp); threads <= 0: the library's default thread count.
+void parallel_for(int threads, int64_t items, void (*fn)(const void* ctx, int64_t begin, int64_t end),
+                  const void* ctx);
+
 }  // namespace fk

@@ -451,6 +451,12 @@ void run_blocks(const Plan& p, const uint8_t* packed, int groups, int64_t n_bloc
 }
 
 }  // namespace
+
+void parallel_for(int threads, int64_t items, void (*fn)(const void*, int64_t, int64_t), const void* ctx) {
+  const int n = threads > 0 ? threads : (g_threads.load() > 0 ? g_threads.load() : available_cpus());
+  pool().run(int(std::min<int64_t>(n, items)), items, 1, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
+}
+
 }  // namespace fk
 
 using namespace fk;

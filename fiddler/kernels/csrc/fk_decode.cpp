@@ -174,22 +174,47 @@ FK_API int fk_rope_attn_decode_bf16(const uint16_t* qkv, int64_t B, int64_t nh, 
   if (d < 2 || d % 2) return fail("rope_attn_decode: head_dim must be even and >= 2");
   if (pos < 0 || pos >= max_seq) return fail("rope_attn_decode: pos must be in [0, max_seq)");
   const int64_t j0 = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-  std::vector<float>& sc = g_scratch;
-  const size_t need = size_t(max_seq + 3 * d);
-  if (sc.size() < need) sc.resize(need);
   const uint16_t* cr = cos + pos * d;
   const uint16_t* sr = sin + pos * d;
-  switch (fk_isa()) {
+  const int isa = fk_isa();
+  switch (isa) {
 #if defined(__x86_64__)
-    case 2:
-      avx512::rope_attn_decode(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq, j0, scale, out, sc.data());
-      break;
-    case 1:
-      avx2::rope_attn_decode(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq, j0, scale, out, sc.data());
-      break;
+    case 2: avx512::write_kv(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq); break;
+    case 1: avx2::write_kv(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq); break;
 #endif
-    default:
-      generic::rope_attn_decode(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq, j0, scale, out, sc.data());
+    default: generic::write_kv(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq);
   }
+  // Query heads over the kernel's thread pool: a single thread would leave the other cores idle
+  // between two weight streams (about 70 us a layer at 150 positions); tiny work stays on one.
+  struct Ctx {
+    const uint16_t *qkv, *cr, *sr, *kc, *vc;
+    int64_t nh, nkv, d, pos, max_seq, j0;
+    float scale;
+    uint16_t* out;
+    int isa;
+  } ctx{qkv, cr, sr, kcache, vcache, nh, nkv, d, pos, max_seq, j0, scale, out, isa};
+  auto run = [](const void* p, int64_t h0, int64_t h1) {
+    const Ctx& c = *static_cast<const Ctx*>(p);
+    thread_local std::vector<float> sc;
+    const size_t need = size_t(c.max_seq + 3 * c.d);
+    if (sc.size() < need) sc.resize(need);
+    switch (c.isa) {
+#if defined(__x86_64__)
+      case 2:
+        avx512::attend_heads(c.qkv, c.nh, c.nkv, c.d, c.pos, c.cr, c.sr, c.kc, c.vc, c.max_seq, c.j0, c.scale,
+                             c.out, h0, h1, sc.data());
+        break;
+      case 1:
+        avx2::attend_heads(c.qkv, c.nh, c.nkv, c.d, c.pos, c.cr, c.sr, c.kc, c.vc, c.max_seq, c.j0, c.scale,
+                           c.out, h0, h1, sc.data());
+        break;
+#endif
+      default:
+        generic::attend_heads(c.qkv, c.nh, c.nkv, c.d, c.pos, c.cr, c.sr, c.kc, c.vc, c.max_seq, c.j0, c.scale,
+                              c.out, h0, h1, sc.data());
+    }
+  };
+  const int64_t heads = B * nh, work = heads * (pos + 1 - j0) * d;
+  fk::parallel_for(work >= (int64_t(1) << 15) ? 0 : 1, heads, run, &ctx);
   return 0;
 }

@@ -136,15 +136,11 @@ static void attend_one(const float* qf, const uint16_t* kc, const uint16_t* vc, 
 
 // See fk_rope_attn_decode_bf16 in fk_decode.cpp for the arguments. scratch: at least
 // (max_seq + 2 * d) floats plus d bf16 (as floats' worth of space).
-static void rope_attn_decode(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d, int64_t pos,
-                             const uint16_t* cos_row, const uint16_t* sin_row, uint16_t* kcache,
-                             uint16_t* vcache, int64_t max_seq, int64_t j0, float scale, uint16_t* out,
-                             float* scratch) {
-  const int64_t L = pos + 1, group = nh / nkv, width = (nh + 2 * nkv) * d;
-  float* s = scratch;            // [max_seq] scores, then bf16-rounded probabilities
-  float* qf = s + max_seq;       // [d] roped query, widened
-  float* acc = qf + d;           // [d] p @ V accumulator
-  uint16_t* qb = reinterpret_cast<uint16_t*>(acc + d);  // [d] roped query, bf16
+// Rope for the new keys, written with the values into the cache at `pos` (every row, every KV head).
+static void write_kv(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d, int64_t pos,
+                     const uint16_t* cos_row, const uint16_t* sin_row, uint16_t* kcache, uint16_t* vcache,
+                     int64_t max_seq) {
+  const int64_t width = (nh + 2 * nkv) * d;
   for (int64_t b = 0; b < B; ++b) {
     const uint16_t* row = qkv + b * width;
     for (int64_t g = 0; g < nkv; ++g) {
@@ -152,11 +148,25 @@ static void rope_attn_decode(const uint16_t* qkv, int64_t B, int64_t nh, int64_t
       rope_row(row + (nh + g) * d, cos_row, sin_row, d, kcache + (head + pos) * d);
       __builtin_memcpy(vcache + (head + pos) * d, row + (nh + nkv + g) * d, size_t(d) * 2);
     }
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t head = (b * nkv + h / group) * max_seq;
-      rope_row(row + h * d, cos_row, sin_row, d, qb);
-      for (int64_t i = 0; i < d; ++i) qf[i] = ld(qb[i]);
-      attend_one(qf, kcache + head * d, vcache + head * d, d, j0, L, scale, s, acc, out + (b * nh + h) * d);
-    }
+  }
+}
+
+// Attention of query heads [h0, h1) of the flattened (row, head) range, after write_kv. Each query
+// head is independent, so any split over threads gives the same bits.
+static void attend_heads(const uint16_t* qkv, int64_t nh, int64_t nkv, int64_t d, int64_t pos,
+                         const uint16_t* cos_row, const uint16_t* sin_row, const uint16_t* kcache,
+                         const uint16_t* vcache, int64_t max_seq, int64_t j0, float scale, uint16_t* out,
+                         int64_t h0, int64_t h1, float* scratch) {
+  const int64_t L = pos + 1, group = nh / nkv, width = (nh + 2 * nkv) * d;
+  float* s = scratch;            // [max_seq] scores, then bf16-rounded probabilities
+  float* qf = s + max_seq;       // [d] roped query, widened
+  float* acc = qf + d;           // [d] p @ V accumulator
+  uint16_t* qb = reinterpret_cast<uint16_t*>(acc + d);  // [d] roped query, bf16
+  for (int64_t bh = h0; bh < h1; ++bh) {
+    const int64_t b = bh / nh, h = bh % nh;
+    const int64_t head = (b * nkv + h / group) * max_seq;
+    rope_row(qkv + b * width + h * d, cos_row, sin_row, d, qb);
+    for (int64_t i = 0; i < d; ++i) qf[i] = ld(qb[i]);
+    attend_one(qf, kcache + head * d, vcache + head * d, d, j0, L, scale, s, acc, out + bh * d);
   }
 }

@@ -369,6 +369,7 @@ T* scratch(std::vector<T>& v, size_t n) {
 thread_local std::vector<float> t_acc;      // per thread: [groups][rows][kBlockN] fp32 accumulators
 thread_local std::vector<uint16_t> t_x;     // per caller: padded copy of x
 thread_local std::vector<uint16_t> t_h;     // per caller: expert hidden activations
+thread_local std::vector<uint16_t> t_y;     // per caller: per-expert outputs (fk_moe_ffn)
 
 // ---------------------------------------------------------------- blocked driver
 struct Plan {
@@ -604,24 +605,28 @@ FK_API int fk_moe_ffn(const void* const* p13, const void* const* p2, const uint1
                                    he + t * ldh + nb * kBlockN);
                }
              });
-  pool().run(thread_count(threads, nb_h, n_experts * nb_h * block_bytes(kp_f), tokens), nb_h, 1,
-             [&](int64_t b0, int64_t b1) {
+  // Down passes: items are (expert, block) in expert-major order, so each thread streams contiguous
+  // weight ranges and the last item of the region is one 32-row block of one expert (a short tail).
+  // Each expert's output is rounded to bf16 as it is stored; the weighted sum follows the region.
+  uint16_t* ye = scratch(t_y, size_t(n_experts * tokens * hidden));
+  const int64_t items2 = n_experts * nb_h;
+  pool().run(thread_count(threads, items2, items2 * block_bytes(kp_f), tokens), items2, 1,
+             [&](int64_t i0, int64_t i1) {
                float* acc = scratch(t_acc, size_t(p.rows * kBlockN));
-               std::vector<float> sum(size_t(tokens * kBlockN));
-               for (int64_t nb = b0; nb < b1; ++nb) {
-                 std::fill(sum.begin(), sum.end(), 0.0f);
-                 for (int e = 0; e < n_experts; ++e) {
-                   block_product(p, static_cast<const uint8_t*>(p2[e]), 1, kp_f, nb, h + e * h_stride, ldh, acc);
-                   const float we = bf16_to_f32(w[e]);
-                   for (int64_t t = 0; t < tokens; ++t)
-                     for (int i = 0; i < kBlockN; ++i)
-                       sum[t * kBlockN + i] += bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(acc[t * kBlockN + i])) * we));
-                 }
+               for (int64_t i = i0; i < i1; ++i) {
+                 const int64_t e = i / nb_h, nb = i % nb_h;
+                 block_product(p, static_cast<const uint8_t*>(p2[e]), 1, kp_f, nb, h + e * h_stride, ldh, acc);
                  const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
                  for (int64_t t = 0; t < tokens; ++t)
-                   for (int64_t i = 0; i < n; ++i) y[t * hidden + nb * kBlockN + i] = f32_to_bf16(sum[t * kBlockN + i]);
+                   p.ops->store(acc + t * kBlockN, nullptr, n, ye + (e * tokens + t) * hidden + nb * kBlockN, false);
                }
              });
+  for (int64_t i = 0; i < tokens * hidden; ++i) {
+    float sum = 0.0f;
+    for (int e = 0; e < n_experts; ++e)
+      sum += bf16_to_f32(f32_to_bf16(bf16_to_f32(ye[e * tokens * hidden + i]) * bf16_to_f32(w[e])));
+    y[i] = f32_to_bf16(sum);
+  }
   return 0;
 }
 

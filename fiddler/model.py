@@ -300,6 +300,20 @@ class MoETransformer:
         o = o.reshape(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)
         return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype))
 
+    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, gate, count_rows: bool, after_moe) -> torch.Tensor:
+        """x + MoE(h) for layer i: route with the gate, hand the experts to the executor, then the
+        optional executor hook that sees the residual stream after each MoE layer (e.g. to guess and
+        prefetch the next layer's experts with its router, as Mixtral-Offloading does)."""
+        cfg = self.cfg
+        idx, w = route(gate(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
+        if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
+            self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
+            self.multi_row_layer_steps += 1
+        x = x + self.executor.forward(i, h, idx, w)
+        if after_moe is not None:
+            after_moe(i, x)
+        return x
+
     def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
         """forward() for T == 1 with the fused kernels (see the class docstring); same results contract."""
         cfg, eps, dt = self.cfg, self.cfg.rms_norm_eps, self.dtype
@@ -311,19 +325,11 @@ class MoETransformer:
         buf_n1, buf_n2 = self._buf("norm1", (B, H), dt), self._buf("norm2", (B, H), dt)
         buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
-        buf_router = self._buf("router", (B, cfg.num_experts), dt)
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
         after_moe = getattr(self.executor, "after_moe", None)
         for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
             x = x + o(attend(i, qkv(norm(x, n1, eps, out=buf_n1), out=buf_qkv), pos, buf_att), out=buf_o)
-            h = norm(x, n2, eps, out=buf_n2)
-            idx, w = route(gate(h, out=buf_router), cfg.top_k, dt)
-            if B > 1:
-                self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
-                self.multi_row_layer_steps += 1
-            x = x + self.executor.forward(i, h, idx, w)
-            if after_moe is not None:
-                after_moe(i, x)
+            x = self._moe(i, x, norm(x, n2, eps, out=buf_n2), gate, B > 1, after_moe)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
         if all_logits:
             return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)
@@ -343,19 +349,10 @@ class MoETransformer:
             return self._decode_step(tokens, start_pos, all_logits)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H]
-        # optional executor hook: sees the residual stream after each MoE layer (e.g. to guess and prefetch
-        # the next layer's experts with its router, as Mixtral-Offloading does)
         after_moe = getattr(self.executor, "after_moe", None)
         for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
             x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, qkv, o)
-            h = rms_norm(x, n2, eps)
-            idx, w = route(gate(h, out=self._buf("router", (B * T, cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
-            if T == 1 and B > 1:
-                self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
-                self.multi_row_layer_steps += 1
-            x = x + self.executor.forward(i, h, idx, w)
-            if after_moe is not None:
-                after_moe(i, x)
+            x = self._moe(i, x, rms_norm(x, n2, eps), gate, T == 1 and B > 1, after_moe)
         if all_logits:
             return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
         x = x.view(B, T, -1)[:, -1].contiguous()

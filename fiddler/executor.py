@@ -139,6 +139,14 @@ def expert_counts(flat_idx: torch.Tensor, num_experts: int, layer: int) -> list[
     return counts
 
 
+def begin_forward(executor, layer: int, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    """What every executor's forward does first: check the activations' dtype, record the routing."""
+    if x.dtype != executor.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but the executor runs in {executor.dtype}")
+    if executor.recorder is not None:
+        executor.recorder.record(layer, topk_idx)
+
+
 class MoEExecutor:
     def __init__(self, config, experts: list[list[ExpertWeights]], *, device: torch.device, dtype: torch.dtype,
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None, has_gpu: bool,
@@ -324,10 +332,7 @@ class MoEExecutor:
         t_start = time.perf_counter()
         T, K = topk_idx.shape
         E = self.config.num_experts
-        if x.dtype != self.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the executor runs in {self.dtype}")
-        if self.recorder is not None:
-            self.recorder.record(layer, topk_idx)
+        begin_forward(self, layer, x, topk_idx)
         if (T == 1 and self.kernel is not None and x.device.type == "cpu" and x.is_contiguous()
                 and topk_w.dtype == torch.bfloat16):
             out = self._decode_row_on_cpu(layer, x, topk_idx, topk_w, t_start)

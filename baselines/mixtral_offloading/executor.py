@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fiddler.executor import expert_counts, torch_expert
+from fiddler.executor import begin_forward, expert_counts, torch_expert
 from fiddler.model import rms_norm
 from fiddler.placement import reservation
 from fiddler.planner import COPY, GPU, KINDS
@@ -318,10 +318,7 @@ class OffloadingExecutor:
         t_start = time.perf_counter()
         T, K = topk_idx.shape
         E = self.config.num_experts
-        if x.dtype != self.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the executor runs in {self.dtype}")
-        if self.recorder is not None:
-            self.recorder.record(layer, topk_idx)
+        begin_forward(self, layer, x, topk_idx)
         flat = topk_idx.reshape(-1)
         counts = expert_counts(flat, E, layer)
         active = [e for e in range(E) if counts[e]]

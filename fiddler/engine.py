@@ -42,33 +42,12 @@ def default_executor_factory() -> Callable:
 
 # ---------------------------------------------------------------------------- memory bandwidth
 
-_BANDWIDTH_CACHE: dict[str, dict] = {}
-
-
-def _torch_gemv_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """GB/s of an fp32 GEMV (MKL via F.linear, one token) streaming `nbytes` of weights."""
-    k = 4096
-    w = torch.ones((nbytes // (4 * k), k), dtype=torch.float32)
-    x = torch.ones((1, k), dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms pages and caches
-        t = time.perf_counter()
-        F.linear(x, w)
-        best = min(best, time.perf_counter() - t)
-    return w.numel() * 4 / best / 1e9
-
-
 def measure_memory_bandwidth() -> dict:
-    """Host memory read bandwidth: the faster of the kernel's probe and an fp32 torch GEMV (a probe
-    that is itself compute-bound would under-report the limit). Measured once per process."""
-    if "host" not in _BANDWIDTH_CACHE:
-        res = {"torch_fp32_gemv_gbs": _torch_gemv_bandwidth()}
-        k = _kernels()
-        if k is not None:
-            res["kernel_probe_gbs"] = float(k.bandwidth_probe())
-        res["bandwidth_gbs"] = max(v for v in res.values())
-        _BANDWIDTH_CACHE["host"] = res
-    return dict(_BANDWIDTH_CACHE["host"])
+    """Host memory-read limit (fiddler.kernels.read_limit: the best of several read strategies and an
+    fp32 GEMV, none sharing the kernel's tuning). Measured once per process."""
+    from . import kernels
+
+    return kernels.read_limit()
 
 
 @contextlib.contextmanager
@@ -207,6 +186,7 @@ class Engine:
             "placement": placement,
             "planner": planner,
             "kernel_isa": k.isa() if k is not None else None,
+            "kernel_stream": k.stream() if k is not None else None,
             "kernel_linears": kernel_linears,
             "kernel_max_tokens": model.lm_head.kernel_max_tokens if kernel_linears else 0,
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),
@@ -285,7 +265,7 @@ class Engine:
             st["decode_experts_per_layer"] = experts if experts is not None else self.config.top_k
             per_step = [self.config.decode_bytes_per_token(S + i + 1, self.dtype, B, experts) for i in range(len(lat))]
             nbytes = sum(per_step) / len(per_step)
-            bw = self._info["memory_bandwidth"]["bandwidth_gbs"]
+            bw = self._info["memory_bandwidth"]["gbps"]
             st["decode_bytes_per_token"] = nbytes
             st["memory_bandwidth_gbs"] = bw
             st["decode_bound_tok_s"] = bw * 1e9 / nbytes

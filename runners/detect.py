@@ -14,26 +14,16 @@ from fiddler import hardware
 
 
 @functools.lru_cache(maxsize=1)
+def measured_cpu_bandwidth() -> dict:
+    """This host's memory-read limit, by the project's one probe (fiddler.kernels.read_limit): the
+    same function and the same numbers as the engine's decode bound."""
+    from fiddler import kernels
+
+    return kernels.read_limit()
+
+
 def measured_cpu_bandwidth_gbps() -> float:
-    """Streaming-read bandwidth of this host: the kernel's probe when built, else a torch reduction."""
-    try:
-        from fiddler import kernels
-
-        if getattr(kernels, "is_available", lambda: False)():
-            return round(float(kernels.bandwidth_probe()), 1)
-    except Exception:  # the kernel is optional here; fall back to torch
-        pass
-    import time
-
-    import torch
-
-    x = torch.ones(256 * 2**20 // 4)  # 256 MiB of fp32, larger than any LLC here
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return round(x.numel() * 4 / best / 1e9, 1)
+    return round(float(measured_cpu_bandwidth()["gbps"]), 1)
 
 
 def _gpu() -> dict[str, Any]:

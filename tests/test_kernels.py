@@ -83,7 +83,7 @@ def test_expert_ffn_matches_reference(path, hidden, ffn):
         if path == "amx_emulated" and hidden * ffn * tokens > 3_000_000:
             continue  # the software tiles are slow; large cases are covered by the vector paths
         x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed=tokens)
-        check_expert(fk.expert_ffn(x, w1, w3, w2), x, w1, w3, w2)
+        check_expert(fk.PackedExpert(w1, w3, w2)(x), x, w1, w3, w2)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -92,7 +92,7 @@ def test_expert_ffn_matches_reference(path, hidden, ffn):
 def test_expert_ffn_random_shapes(path, hidden, ffn, tokens, seed):
     use_path(path)
     x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed)
-    check_expert(fk.expert_ffn(x, w1, w3, w2), x, w1, w3, w2)
+    check_expert(fk.PackedExpert(w1, w3, w2)(x), x, w1, w3, w2)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -171,7 +171,7 @@ def test_out_argument_and_zero_tokens():
 def test_bad_inputs_raise():
     x, w1, w3, w2 = expert_case(64, 96, 4)
     with pytest.raises(TypeError, match="bfloat16"):
-        fk.expert_ffn(x.float(), w1, w3, w2)
+        fk.PackedExpert(w1, w3, w2)(x.float())
     with pytest.raises(TypeError, match="bfloat16"):
         fk.PackedExpert(w1.half(), w3, w2)
     with pytest.raises(ValueError, match="shapes disagree"):
@@ -240,11 +240,80 @@ def test_features_match_cpuinfo_and_threads_setting():
     assert fk.get_num_threads() == before
 
 
-def test_bandwidth_probe_reports_a_rate():
-    gbps = fk.bandwidth_probe(nbytes=32 << 20, repeats=2)
-    assert 0 < gbps < 10_000
+def test_read_limit_names_every_strategy():
+    lim = fk.read_limit(nbytes=32 << 20, threads=2, repeats=1, cached=False)
+    names = set(lim["strategies"])
+    assert {"read_none_2t", "read_t0_2t", "read_t1_2t", "read_nta_2t", "read_none_1t", "gemv_fp32_2t"} == names
+    assert all(0 < v < 10_000 for v in lim["strategies"].values())
+    assert lim["gbps"] == max(lim["strategies"].values()) == lim["strategies"][lim["best"]]
     with pytest.raises(ValueError):
-        fk.bandwidth_probe(nbytes=1000)
+        fk.read_limit(nbytes=1000)
+
+
+def test_read_limit_does_not_follow_the_kernel_tuning():
+    """The probe judges the kernel: changing the kernel's stream prefetch must not change what it reads."""
+    prev = fk.stream()
+    try:
+        fk.set_stream("nta:4096")
+        a = set(fk.read_limit(nbytes=8 << 20, threads=1, repeats=1, cached=False)["strategies"])
+        fk.set_stream("none")
+        b = set(fk.read_limit(nbytes=8 << 20, threads=1, repeats=1, cached=False)["strategies"])
+    finally:
+        fk.set_stream(f"{prev['hint']}:{prev['distance']}")
+    assert a == b == {"read_none_1t", "read_t0_1t", "read_t1_1t", "read_nta_1t", "gemv_fp32_1t"}
+
+
+def test_stream_tuning_default_override_and_errors():
+    d = fk.set_stream("auto")
+    assert d["hint"] in fk.HINTS and d["distance"] % 64 == 0 and d["source"].startswith("table")
+    assert fk.features()["stream"] == d
+    try:
+        assert fk.set_stream("t0:1024") == {"hint": "t0", "distance": 1024, "source": "set_stream"}
+        assert fk.set_stream("nta")["distance"] == 4096
+        for bad in ("t3", "t0:100", "t0:x", "t0:0"):
+            with pytest.raises(ValueError):
+                fk.set_stream(bad)
+        assert fk.stream()["hint"] == "nta"  # a refused value changes nothing
+    finally:
+        fk.set_stream("auto")
+    assert fk.stream() == d
+
+
+@pytest.mark.parametrize("spec", ["none", "t0:64", "t1:4096", "nta:65536"])
+def test_every_stream_prefetch_computes_the_same_bits(spec):
+    """The prefetch is a hint: every choice gives identical outputs at 1..13 tokens."""
+    g = torch.Generator().manual_seed(3)
+    w1, w3 = ((torch.randn(96, 160, generator=g) / 12).bfloat16() for _ in range(2))
+    w2 = (torch.randn(160, 96, generator=g) / 9).bfloat16()
+    e = fk.PackedExpert(w1, w3, w2)
+    xs = [torch.randn(t, 160, generator=g).bfloat16() for t in (1, 5, 13)]
+    ref = [e(x) for x in xs]
+    try:
+        fk.set_stream(spec)
+        assert all(torch.equal(e(x), r) for x, r in zip(xs, ref))
+    finally:
+        fk.set_stream("auto")
+
+
+def test_stream_override_from_the_environment():
+    code = "import fiddler.kernels as fk; print(fk.stream())"
+    env = {**os.environ, "FIDDLER_KERNEL_STREAM": "t0:2048"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "'hint': 't0', 'distance': 2048, 'source': 'FIDDLER_KERNEL_STREAM'" in out
+    env["FIDDLER_KERNEL_STREAM"] = "bogus"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "unknown stream prefetch 'bogus'" in r.stderr
+
+
+def test_tune_stream_picks_the_fastest_measured_candidate():
+    prev = fk.stream()
+    try:
+        res = fk.tune_stream(candidates=("none", "t0:1024"), nbytes=16 << 20, rounds=1)
+        assert set(res["gbps"]) == {"none", "t0:1024"} and res["chosen"] == max(res["gbps"], key=res["gbps"].get)
+        st = fk.stream()
+        assert f"{st['hint']}:{st['distance']}".startswith(res["chosen"].split(":")[0]) and st["source"].startswith("tune_stream")
+    finally:
+        fk.set_stream(f"{prev['hint']}:{prev['distance']}")
 
 
 _SMALL_CALL = """
@@ -252,7 +321,7 @@ import torch, fiddler.kernels as fk
 torch.manual_seed(0)
 x = torch.randn(3, 40).bfloat16(); w1 = (torch.randn(72, 40) / 7).bfloat16()
 w3 = (torch.randn(72, 40) / 7).bfloat16(); w2 = (torch.randn(40, 72) / 9).bfloat16()
-y = fk.expert_ffn(x, w1, w3, w2).double()
+y = fk.PackedExpert(w1, w3, w2)(x).double()
 ref = (torch.nn.functional.silu(x.double() @ w1.double().T) * (x.double() @ w3.double().T)) @ w2.double().T
 assert ((y - ref).norm() / ref.norm()).item() < 1e-2
 print("ISA", fk.isa())

@@ -5,21 +5,28 @@ Weights are packed once (`PackedExpert`, `PackedLinear`) into a layout that stre
 every call reads each weight byte once whatever the token count. The instruction set is chosen at run
 time from the CPU: AVX512-BF16 (plus AMX tiles for many tokens where the CPU has AMX), else AVX2/FMA,
 else portable C++. `FIDDLER_KERNEL_ISA` (auto, amx, avx512_bf16, avx2, generic) or `set_isa()` forces
-a path. Calls release the GIL.
+a path. How the weight stream prefetches (hint and distance) is a per-CPU knob: a per-vendor default,
+`FIDDLER_KERNEL_STREAM` / `set_stream()` to override it, `tune_stream()` to measure it here (see
+`stream()`). `read_limit()` is the independent memory-read limit that judges the kernel. Calls
+release the GIL.
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
+import time
 from ctypes import c_void_p
 
 import torch
+import torch.nn.functional as F
 
 from . import _lib
 
 __all__ = [
-    "PackedExpert", "PackedLinear", "expert_ffn", "moe_ffn", "isa", "set_isa", "features", "set_num_threads",
-    "get_num_threads", "bandwidth_probe", "stream_working_set_bytes", "is_available", "load_error",
+    "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "features", "set_num_threads",
+    "get_num_threads", "stream", "set_stream", "tune_stream", "read_limit", "stream_working_set_bytes",
+    "is_available", "load_error",
 ]
 
 _ISA_CODES = {"generic": 0, "avx2": 1, "avx512_bf16": 2}
@@ -89,6 +96,7 @@ def features() -> dict:
         amx_emulated=amx == _AMX_EMULATED,
         amx_min_tokens=L.fk_amx_min_tokens(),
         amx_status=L.fk_amx_status().decode(),
+        stream=stream(),
     )
     return out
 
@@ -136,17 +144,143 @@ def stream_working_set_bytes() -> int:
     return min(max(4 * _llc_bytes(), 1 << 30), 4 << 30)
 
 
-def bandwidth_probe(nbytes: int | None = None, threads: int | None = None, repeats: int = 5) -> float:
-    """Best-of-`repeats` GB/s of a multithreaded streaming read over `nbytes` (default:
-    `stream_working_set_bytes()`), with the widest vector loads the CPU has."""
-    if nbytes is None:
-        nbytes = stream_working_set_bytes()
-    if nbytes < (1 << 20) or repeats < 1:
-        raise ValueError("bandwidth_probe needs nbytes >= 1 MiB and repeats >= 1")
-    gbps = _L().fk_bandwidth_probe(int(nbytes), _threads(threads), int(repeats))
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A 64-byte-aligned uint8 tensor of `nbytes` (huge pages advised), not initialised."""
+    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 64
+    buf = raw[off : off + nbytes]
+    _L().fk_advise_hugepages(buf.data_ptr(), nbytes)
+    return buf
+
+
+def _read_gbps(buf: torch.Tensor, threads: int, hint: str, distance: int, repeats: int) -> float:
+    gbps = _L().fk_read_bandwidth(buf.data_ptr(), buf.numel(), threads, HINTS.index(hint), distance, repeats)
     if gbps < 0:
         _lib.check(-1)
     return gbps
+
+
+# ------------------------------------------------------------------ weight-stream tuning
+HINTS = ("none", "t0", "t1", "nta")  # codes 0..3 of the C library
+
+
+def stream() -> dict:
+    """The weight stream's active prefetch: {"hint", "distance", "source"} (source: the per-vendor
+    table, FIDDLER_KERNEL_STREAM, tune_stream() or set_stream())."""
+    L = _L()
+    return {"hint": HINTS[L.fk_stream_hint()], "distance": int(L.fk_stream_distance()),
+            "source": L.fk_stream_source().decode()}
+
+
+def set_stream(spec: str | None = None, source: str = "set_stream") -> dict:
+    """Sets the weight stream's prefetch: "HINT[:DISTANCE]" with HINT one of none, t0, t1, nta and
+    DISTANCE in bytes (a multiple of 64, default 4096), "auto"/None for this CPU's default, or
+    "tune" to measure the candidates here (tune_stream). Returns `stream()`."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        _lib.check(_L().fk_set_stream(-1, 0, None))
+        return stream()
+    if spec == "tune":
+        tune_stream()
+        return stream()
+    hint, _, dist = spec.partition(":")
+    if hint not in HINTS:
+        raise ValueError(f"unknown stream prefetch {spec!r}: use HINT[:BYTES] with HINT in {', '.join(HINTS)}, "
+                         "or auto, or tune")
+    try:
+        distance = int(dist) if dist else 4096
+    except ValueError:
+        raise ValueError(f"stream prefetch distance must be an int number of bytes, got {dist!r}") from None
+    if _L().fk_set_stream(HINTS.index(hint), distance, source.encode()) != 0:
+        raise ValueError(f"cannot set stream prefetch {spec!r}: {_L().fk_last_error().decode()}")
+    return stream()
+
+
+TUNE_CANDIDATES = ("none", "t0:1024", "t0:4096", "t1:1024", "t1:4096", "nta:1024", "nta:4096")
+
+
+def tune_stream(candidates=TUNE_CANDIDATES, nbytes: int | None = None, rounds: int = 2) -> dict:
+    """Measures the kernel at one token (the decode regime) streaming a `nbytes` weight matrix with
+    each candidate prefetch, interleaved over `rounds`, keeps the fastest and returns
+    {"chosen": spec, "gbps": {spec: best GB/s}}. Default size: twice the last-level cache (at least
+    256 MiB, at most 2 GiB), so the weights come from DRAM as in decode."""
+    nbytes = nbytes or min(max(256 << 20, 2 * _llc_bytes()), 2 << 30)
+    k = 4096
+    n = max(32, nbytes // (2 * k) // 32 * 32)
+    w_bytes = _L().fk_packed_bytes(n, k, 1)
+    w = aligned_buffer(w_bytes)
+    w.view(torch.int16).fill_(0x3F80)  # bf16 1.0 everywhere: the values do not matter, the pages must exist
+    x = torch.ones(1, k, dtype=torch.bfloat16)
+    y = torch.empty(1, n, dtype=torch.bfloat16)
+    L = _L()
+    prev = stream()
+    best = {c: 0.0 for c in candidates}
+    try:
+        for _ in range(max(1, rounds)):
+            for c in candidates:
+                set_stream(c, source="tune")
+                t = time.perf_counter()
+                _lib.check(L.fk_linear(w.data_ptr(), n, k, x.data_ptr(), 1, None, y.data_ptr(), 0, 0))
+                best[c] = max(best[c], w_bytes / (time.perf_counter() - t) / 1e9)
+    finally:
+        set_stream(f"{prev['hint']}:{prev['distance']}", source=prev["source"])
+    chosen = max(best, key=best.get)
+    set_stream(chosen, source=f"tune_stream: measured {best[chosen]:.1f} GB/s here, best of {len(candidates)}")
+    return {"chosen": chosen, "gbps": best}
+
+
+# ------------------------------------------------------------------ the independent limit
+# Fixed read strategies, never the kernel's own knob: the limit must not share the tuning it judges.
+LIMIT_STRATEGIES = (("none", 0), ("t0", 2048), ("t1", 2048), ("nta", 2048))
+_LIMIT_CACHE: dict = {}
+
+
+def read_limit(nbytes: int | None = None, threads: int | None = None, repeats: int = 2, cached: bool = True) -> dict:
+    """The memory-read limit of this host, the one probe of the project (the engine's decode bound,
+    `environment=local` and the benchmarks all use it): the best of several streaming reads (plain
+    loads and T0/T1/NTA prefetch at `threads` threads, plain loads at one) and of an fp32 GEMV (torch
+    F.linear, one token) over the same `nbytes` buffer (default `stream_working_set_bytes()`), each
+    the best of `repeats`. None of them uses the kernel's stream tuning. Without the compiled library
+    only the GEMV runs. Returns {"gbps": best, "best": its name, "strategies": {name: GB/s},
+    "nbytes", "threads"}; measured once per process and argument set unless cached=False."""
+    nbytes = nbytes or stream_working_set_bytes()
+    n = _threads(threads) or (get_num_threads() if is_available() else torch.get_num_threads())
+    if nbytes < (1 << 20) or repeats < 1:
+        raise ValueError("read_limit needs nbytes >= 1 MiB and repeats >= 1")
+    key = (nbytes, n, repeats)
+    if cached and key in _LIMIT_CACHE:
+        return copy.deepcopy(_LIMIT_CACHE[key])
+    k = 4096
+    nbytes = nbytes // (4 * k) * (4 * k)
+    buf = aligned_buffer(nbytes) if is_available() else torch.empty(nbytes, dtype=torch.uint8)
+    w = buf.view(torch.float32).view(-1, k)
+    w.fill_(1.0)  # written, so every page is backed (zero pages would all map one page)
+    res: dict[str, float] = {}
+    if is_available():
+        for hint, dist in LIMIT_STRATEGIES:
+            res[f"read_{hint}_{n}t"] = _read_gbps(buf, n, hint, dist, repeats)
+        if n > 1:
+            res["read_none_1t"] = _read_gbps(buf, 1, "none", 0, repeats)
+    x = torch.ones(1, k)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        F.linear(x, w)  # warm-up
+        t_best = min(_timed(lambda: F.linear(x, w)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(prev)
+    res[f"gemv_fp32_{n}t"] = nbytes / t_best / 1e9
+    best = max(res, key=res.get)
+    out = {"gbps": res[best], "best": best, "strategies": res, "nbytes": nbytes, "threads": n}
+    if cached:
+        _LIMIT_CACHE[key] = copy.deepcopy(out)
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 # ------------------------------------------------------------------ packed weights
@@ -168,11 +302,7 @@ def _pack(ws: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
     if n < 1 or k < 1:
         raise ValueError(f"weights must not be empty, got shape ({n}, {k})")
     L = _L()
-    nbytes = L.fk_packed_bytes(n, k, len(ws))
-    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % 64
-    buf = raw[off : off + nbytes]
-    L.fk_advise_hugepages(buf.data_ptr(), nbytes)
+    buf = aligned_buffer(L.fk_packed_bytes(n, k, len(ws)))
     ptrs = (c_void_p * len(ws))(*[w.data_ptr() for w in ws])
     _lib.check(L.fk_pack(ptrs, len(ws), n, k, buf.data_ptr(), 0))
     return buf
@@ -304,11 +434,7 @@ def moe_ffn(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor,
     return out
 
 
-def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """y = W2 (silu(W1 x) * (W3 x)) for x [tokens, hidden] bf16. Packs the weights on every call;
-    the engine's hot path keeps a `PackedExpert` instead."""
-    return PackedExpert(w1, w3, w2).forward(x, threads=threads)
-
-
 if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_ISA"):
     set_isa(os.environ["FIDDLER_KERNEL_ISA"])
+if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_STREAM"):
+    set_stream(os.environ["FIDDLER_KERNEL_STREAM"], source="FIDDLER_KERNEL_STREAM")

@@ -58,7 +58,11 @@ def _declare(l: ctypes.CDLL) -> None:
             c.c_int,
             [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
         ),
-        "fk_bandwidth_probe": (c.c_double, [c.c_int64, c.c_int, c.c_int]),
+        "fk_read_bandwidth": (c.c_double, [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int64, c.c_int]),
+        "fk_set_stream": (c.c_int, [c.c_int, c.c_int64, c.c_char_p]),
+        "fk_stream_hint": (c.c_int, []),
+        "fk_stream_distance": (c.c_int64, []),
+        "fk_stream_source": (c.c_char_p, []),
     }
     for name, (res, args) in sigs.items():
         f = getattr(l, name)

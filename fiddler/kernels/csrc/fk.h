@@ -40,6 +40,25 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+// How a vector path streams weights that it reads once from DRAM (a 1..12-token group): a software
+// prefetch `distance` bytes ahead with a hint, or none. The best choice differs between CPUs (on an
+// Intel Xeon NTA halved the rate that T0 reached; on an AMD Zen 5 NTA was slightly faster), so it
+// is chosen on the machine at run time (fk_tuning.cpp) and can be overridden.
+enum StreamHint { kHintNone = 0, kHintT0 = 1, kHintT1 = 2, kHintNta = 3, kNumHints = 4 };
+extern const char* const kHintNames[kNumHints];
+struct StreamTuning {
+  int hint;
+  int64_t distance;  // bytes, a multiple of 64
+};
+StreamTuning stream_tuning();  // the active choice (cheap: two relaxed atomic loads)
+
+template <int Hint>
+inline void prefetch(const void* p) {
+  if constexpr (Hint == kHintT0) __builtin_prefetch(p, 0, 3);
+  else if constexpr (Hint == kHintT1) __builtin_prefetch(p, 0, 2);
+  else if constexpr (Hint == kHintNta) __builtin_prefetch(p, 0, 0);
+}
+
 // One ISA path. The driver (fk_api.cpp) does blocking, threading and padding; a path supplies:
 struct IsaOps {
   const char* name;
@@ -54,20 +73,21 @@ struct IsaOps {
   void (*silu_mul)(const float* a, const float* b, int64_t n, uint16_t* h);
   // y[i] = acc[i] (+ bias[i]) as bf16 or fp32, i < n; bias may be null
   void (*store)(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
-  // reads n bytes (n multiple of 256, p 64-byte aligned) as fast as possible; returns a checksum
-  uint64_t (*read)(const void* p, int64_t n);
+  // reads n bytes (n multiple of 256, p 64-byte aligned) with the widest loads, prefetching with
+  // `hint` (StreamHint) `dist` bytes ahead; returns a checksum. The bandwidth probe's read.
+  uint64_t (*read)(const void* p, int64_t n, int hint, int64_t dist);
 };
 
 extern const IsaOps kGenericOps;
 // the portable pieces, reused by paths that only replace the micro-kernel
 void silu_mul_generic(const float* a, const float* b, int64_t n, uint16_t* h);
 void store_generic(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
-uint64_t read_generic(const void* p, int64_t n);
+uint64_t read_generic(const void* p, int64_t n, int hint, int64_t dist);
 #if defined(__x86_64__)
 // the AVX512-BF16 epilogues and probe read, reused by the AMX path
 void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h);
 void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
-uint64_t read_avx512_bf16(const void* p, int64_t n);
+uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist);
 extern const IsaOps kAvx2Ops;
 extern const IsaOps kAvx512Ops;
 extern const IsaOps kAmxOps;       // real AMX tiles

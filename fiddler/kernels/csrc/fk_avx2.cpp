@@ -15,9 +15,10 @@ namespace {
 constexpr int kMr = 2;  // 2 tokens x 32 rows = 8 ymm accumulators (of 16 registers)
 
 // acc[M][32] (+)= W[kp][32][2] . x[M][2kp..]: a 128-byte kp row is 4 registers of 8 rows' pairs.
-template <int M>
+// Hint/dist: the weight stream's software prefetch (StreamHint, chosen at run time in fk_tuning.cpp).
+template <int M, int Hint>
 void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
-        bool accumulate) {
+        bool accumulate, int64_t dist) {
   __m256 c[M][4];
   for (int t = 0; t < M; ++t)
     for (int j = 0; j < 4; ++j)
@@ -25,6 +26,10 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
   const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
   const char* wp = reinterpret_cast<const char*>(w);
   for (int64_t kp = 0; kp < kpairs; ++kp, wp += 128) {
+    if constexpr (Hint != kHintNone) {
+      prefetch<Hint>(wp + dist);
+      prefetch<Hint>(wp + dist + 64);
+    }
     __m256 xe[M], xo[M];
     for (int t = 0; t < M; ++t) {
       int pair;
@@ -44,10 +49,24 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + t * kBlockN + 8 * j, c[t][j]);
 }
 
+template <int Hint>
+void mk_hint(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m, float* acc,
+             bool accumulate, int64_t dist) {
+  if (m == 1) mk<1, Hint>(w, kpairs, x, ldx, acc, accumulate, dist);
+  else mk<2, Hint>(w, kpairs, x, ldx, acc, accumulate, dist);
+}
+
+// Several token groups reuse a chunk from L2 (pf_lines > 0): no stream prefetch then.
 void mk_avx2(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-             float* acc, bool accumulate, const char*, int64_t) {
-  if (m == 1) mk<1>(w, kpairs, x, ldx, acc, accumulate);
-  else mk<2>(w, kpairs, x, ldx, acc, accumulate);
+             float* acc, bool accumulate, const char*, int64_t pf_lines) {
+  const StreamTuning st = stream_tuning();
+  const int hint = pf_lines > 0 ? int(kHintNone) : st.hint;
+  switch (hint) {
+    case kHintT0: return mk_hint<kHintT0>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
+    case kHintT1: return mk_hint<kHintT1>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
+    case kHintNta: return mk_hint<kHintNta>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
+    default: return mk_hint<kHintNone>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
+  }
 }
 
 inline __m256 exp_ps(__m256 x) {
@@ -105,10 +124,14 @@ void store_avx2(const float* acc, const float* bias, int64_t n, void* y, bool ou
   }
 }
 
-uint64_t read_avx2(const void* p, int64_t n) {
-  const char* q = static_cast<const char*>(p);
+template <int Hint>
+uint64_t read256(const char* q, int64_t n, int64_t dist) {
   __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
   for (int64_t i = 0; i < n; i += 128) {
+    if constexpr (Hint != kHintNone) {
+      prefetch<Hint>(q + i + dist);
+      prefetch<Hint>(q + i + dist + 64);
+    }
     s0 = _mm256_xor_si256(s0, _mm256_load_si256(reinterpret_cast<const __m256i*>(q + i)));
     s1 = _mm256_xor_si256(s1, _mm256_load_si256(reinterpret_cast<const __m256i*>(q + i + 32)));
     s2 = _mm256_xor_si256(s2, _mm256_load_si256(reinterpret_cast<const __m256i*>(q + i + 64)));
@@ -116,6 +139,16 @@ uint64_t read_avx2(const void* p, int64_t n) {
   }
   const __m256i s = _mm256_xor_si256(_mm256_xor_si256(s0, s1), _mm256_xor_si256(s2, s3));
   return uint64_t(_mm256_extract_epi64(s, 0) ^ _mm256_extract_epi64(s, 3));
+}
+
+uint64_t read_avx2(const void* p, int64_t n, int hint, int64_t dist) {
+  const char* q = static_cast<const char*>(p);
+  switch (hint) {
+    case kHintT0: return read256<kHintT0>(q, n, dist);
+    case kHintT1: return read256<kHintT1>(q, n, dist);
+    case kHintNta: return read256<kHintNta>(q, n, dist);
+    default: return read256<kHintNone>(q, n, dist);
+  }
 }
 
 }  // namespace

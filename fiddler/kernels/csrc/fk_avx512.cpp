@@ -13,19 +13,16 @@ namespace fk {
 namespace {
 
 constexpr int kMr = 12;          // 12 tokens x 32 rows = 24 zmm accumulators + 2 weight registers
-// bytes ahead in the weight stream when streaming from DRAM: about latency x bandwidth (measured
-// on Zen 5 at 1-12 tokens: 2 KiB reaches 60-80% of the stream rate, 8 KiB 95%, 16 KiB no better).
-// Non-temporal hint: each weight line is used once, so it should not displace L2/L3 contents; on
-// the 2-core Zen VM, NTA at 4 KiB streamed 2-3% faster than T0 at 8 KiB (decode MoE step, A/B runs).
-constexpr int kPrefetch = 4096;
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 // acc[M][32] (+)= W[kp][32][2] . x[M][2kp..2kp+1]: each 128-byte kp row of the block is loaded
 // once into 2 registers and multiplied with every token's broadcast column pair.
-template <int M>
+// Hint: the software prefetch of the weight stream when this call streams from DRAM (StreamHint;
+// chosen per CPU at run time, see fk_tuning.cpp), `dist` bytes ahead.
+template <int M, int Hint>
 void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
-        bool accumulate, const char* pf, int64_t pf_lines) {
+        bool accumulate, const char* pf, int64_t pf_lines, int64_t dist) {
   __m512 c[M][2];
   for (int t = 0; t < M; ++t)
     for (int j = 0; j < 2; ++j)
@@ -40,8 +37,10 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
   const int64_t per = (pf_lines + kpairs - 1) / kpairs;
   for (int64_t kp = 0; kp < kpairs; ++kp, wp += 128) {
     if (streaming) {
-      _mm_prefetch(wp + kPrefetch, _MM_HINT_NTA);
-      _mm_prefetch(wp + kPrefetch + 64, _MM_HINT_NTA);
+      if constexpr (Hint != kHintNone) {
+        prefetch<Hint>(wp + dist);
+        prefetch<Hint>(wp + dist + 64);
+      }
     } else if (pf_lines > 0) {
       for (int64_t i = 0; i < per; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
       pf += 64 * per;
@@ -59,13 +58,18 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
 }
 
 using MkFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, bool, const char*,
-                      int64_t);
-constexpr MkFn kMk[kMr] = {mk<1>, mk<2>, mk<3>, mk<4>, mk<5>,  mk<6>,
-                           mk<7>, mk<8>, mk<9>, mk<10>, mk<11>, mk<12>};
+                      int64_t, int64_t);
+template <int Hint>
+constexpr MkFn kMkRow[kMr] = {mk<1, Hint>, mk<2, Hint>, mk<3, Hint>, mk<4, Hint>,
+                              mk<5, Hint>, mk<6, Hint>, mk<7, Hint>, mk<8, Hint>,
+                              mk<9, Hint>, mk<10, Hint>, mk<11, Hint>, mk<12, Hint>};
+constexpr const MkFn* kMk[kNumHints] = {kMkRow<kHintNone>, kMkRow<kHintT0>, kMkRow<kHintT1>,
+                                        kMkRow<kHintNta>};
 
 void mk_avx512(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
                float* acc, bool accumulate, const char* pf, int64_t pf_lines) {
-  kMk[m - 1](w, kpairs, x, ldx, acc, accumulate, pf, pf_lines);
+  const StreamTuning st = stream_tuning();
+  kMk[st.hint][m - 1](w, kpairs, x, ldx, acc, accumulate, pf, pf_lines, st.distance);
 }
 
 }  // namespace
@@ -110,12 +114,12 @@ void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, 
   }
 }
 
-uint64_t read_avx512_bf16(const void* p, int64_t n) {
-  const char* q = static_cast<const char*>(p);
+template <int Hint>
+uint64_t read512(const char* q, int64_t n, int64_t dist) {
   __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
-  // the same prefetch as the weight stream, so the probe measures what the kernel can reach
   for (int64_t i = 0; i < n; i += 256) {
-    for (int l = 0; l < 256; l += 64) _mm_prefetch(q + i + kPrefetch + l, _MM_HINT_NTA);
+    if constexpr (Hint != kHintNone)
+      for (int l = 0; l < 256; l += 64) prefetch<Hint>(q + i + dist + l);
     s0 = _mm512_xor_si512(s0, _mm512_load_si512(q + i));
     s1 = _mm512_xor_si512(s1, _mm512_load_si512(q + i + 64));
     s2 = _mm512_xor_si512(s2, _mm512_load_si512(q + i + 128));
@@ -123,6 +127,16 @@ uint64_t read_avx512_bf16(const void* p, int64_t n) {
   }
   return uint64_t(_mm512_reduce_add_epi64(
       _mm512_xor_si512(_mm512_xor_si512(s0, s1), _mm512_xor_si512(s2, s3))));
+}
+
+uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist) {
+  const char* q = static_cast<const char*>(p);
+  switch (hint) {
+    case kHintT0: return read512<kHintT0>(q, n, dist);
+    case kHintT1: return read512<kHintT1>(q, n, dist);
+    case kHintNta: return read512<kHintNta>(q, n, dist);
+    default: return read512<kHintNone>(q, n, dist);
+  }
 }
 
 extern const IsaOps kAvx512Ops = {"avx512_bf16", kMr, mk_avx512, silu_mul_avx512_bf16,

@@ -35,17 +35,28 @@ void store_generic(const float* acc, const float* bias, int64_t n, void* y, bool
   }
 }
 
-uint64_t read_generic(const void* p, int64_t n) {
+template <int Hint>
+uint64_t read64(const uint64_t* q, int64_t n, int64_t dist) {
   // four independent 64-bit xor chains: enough to keep a baseline core load-bound
-  const uint64_t* q = static_cast<const uint64_t*>(p);
   uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   for (int64_t i = 0; i < n / 8; i += 4) {
+    if ((i & 7) == 0) prefetch<Hint>(reinterpret_cast<const char*>(q + i) + dist);
     s0 ^= q[i];
     s1 ^= q[i + 1];
     s2 ^= q[i + 2];
     s3 ^= q[i + 3];
   }
   return s0 ^ s1 ^ s2 ^ s3;
+}
+
+uint64_t read_generic(const void* p, int64_t n, int hint, int64_t dist) {
+  const uint64_t* q = static_cast<const uint64_t*>(p);
+  switch (hint) {
+    case kHintT0: return read64<kHintT0>(q, n, dist);
+    case kHintT1: return read64<kHintT1>(q, n, dist);
+    case kHintNta: return read64<kHintNta>(q, n, dist);
+    default: return read64<kHintNone>(q, n, dist);
+  }
 }
 
 extern const IsaOps kGenericOps = {"generic", 4, mk_generic, silu_mul_generic, store_generic,

@@ -1,0 +1,114 @@
+// Per-CPU knobs of the weight stream: the software prefetch hint and distance a vector path uses
+// when it reads a weight block once from DRAM (1..12 tokens, the decode regime).
+//
+// The default comes from a per-vendor table backed by measurements (below); fiddler.kernels lets an
+// environment variable (FIDDLER_KERNEL_STREAM) override it, and can measure the candidates on the
+// running machine and keep the fastest (fiddler.kernels.tune_stream). The choice is reported by
+// fiddler.kernels.features() and in benchmark records.
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include "fk_internal.h"
+
+namespace fk {
+
+const char* const kHintNames[kNumHints] = {"none", "t0", "t1", "nta"};
+
+namespace {
+
+struct Default {
+  const char* vendor;  // CPUID vendor string
+  int hint;
+  int64_t distance;
+  const char* why;
+};
+
+// Measured with a packed Mixtral-8x7B expert (352 MB bf16) at 1 token, 2 threads, cycling through
+// more weight copies than any cache holds:
+// - Intel Xeon (Sapphire Rapids, 2-core VM; results/measured/2026-12-01-intel-stream-tuning):
+//   T1 at 2-8 KiB 29-30 GB/s, T0 26-28, no prefetch 25, NTA 13-17 (the limit: 32-33 GB/s).
+//   An Emerald Rapids VM: T0 30 GB/s, none 19, NTA 11-12 (issue 10).
+// - AMD Zen 5 (EPYC, 2-core VM): NTA at 4 KiB was 2-3% faster than T0 at 8 KiB (decode A/B runs,
+//   commit 882f944).
+// Anything else gets T0, which was within a few percent of the best on both.
+constexpr Default kTable[] = {
+    {"GenuineIntel", kHintT1, 4096, "table: Intel (T1 4 KiB; NTA streamed at half the rate)"},
+    {"AuthenticAMD", kHintNta, 4096, "table: AMD (NTA 4 KiB; 2-3% over T0 on Zen 5)"},
+};
+constexpr Default kFallback = {"", kHintT0, 4096, "table: other CPUs (T0 4 KiB)"};
+
+std::string cpu_vendor() {
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  if (__get_cpuid(0, &a, &b, &c, &d)) {
+    char v[13];
+    std::memcpy(v, &b, 4);
+    std::memcpy(v + 4, &d, 4);
+    std::memcpy(v + 8, &c, 4);
+    v[12] = 0;
+    return v;
+  }
+#endif
+  return "";
+}
+
+const Default& table_default() {
+  static const Default* d = [] {
+    const std::string v = cpu_vendor();
+    for (const Default& e : kTable)
+      if (v == e.vendor) return &e;
+    return &kFallback;
+  }();
+  return *d;
+}
+
+std::atomic<int> g_hint{-1};  // -1: the table's choice, set on first use
+std::atomic<int64_t> g_distance{0};
+std::mutex g_source_mu;
+std::string g_source;
+
+void ensure_default() {
+  if (g_hint.load(std::memory_order_relaxed) >= 0) return;
+  const Default& d = table_default();
+  std::lock_guard<std::mutex> g(g_source_mu);
+  if (g_hint.load() >= 0) return;
+  g_source = d.why;
+  g_distance.store(d.distance);
+  g_hint.store(d.hint);
+}
+
+}  // namespace
+
+StreamTuning stream_tuning() {
+  if (g_hint.load(std::memory_order_relaxed) < 0) ensure_default();
+  return {g_hint.load(std::memory_order_relaxed), g_distance.load(std::memory_order_relaxed)};
+}
+
+int set_stream_tuning(int hint, int64_t distance, const char* source) {
+  if (hint < 0) {  // back to the table
+    const Default& d = table_default();
+    hint = d.hint;
+    distance = d.distance;
+    source = d.why;
+  }
+  if (hint >= kNumHints) return fail("unknown prefetch hint code " + std::to_string(hint));
+  if (distance < 64 || distance > 65536 || distance % 64)
+    return fail("prefetch distance must be a multiple of 64 bytes in [64, 65536], got " +
+                std::to_string(distance));
+  std::lock_guard<std::mutex> g(g_source_mu);
+  g_source = source ? source : "set";
+  g_distance.store(distance);
+  g_hint.store(hint);
+  return 0;
+}
+
+const char* stream_tuning_source() {
+  ensure_default();
+  std::lock_guard<std::mutex> g(g_source_mu);
+  return g_source.c_str();  // stable until the next set_stream_tuning
+}
+
+}  // namespace fk

@@ -196,32 +196,37 @@ def set_stream(spec: str | None = None, source: str = "set_stream") -> dict:
     return stream()
 
 
-TUNE_CANDIDATES = ("none", "t0:1024", "t0:4096", "t1:1024", "t1:4096", "nta:1024", "nta:4096")
+TUNE_CANDIDATES = ("none", "t0:1024", "t0:2048", "t0:4096", "t1:1024", "t1:2048", "nta:1024", "nta:4096")
 
 
-def tune_stream(candidates=TUNE_CANDIDATES, nbytes: int | None = None, rounds: int = 2) -> dict:
-    """Measures the kernel at one token (the decode regime) streaming a `nbytes` weight matrix with
-    each candidate prefetch, interleaved over `rounds`, keeps the fastest and returns
-    {"chosen": spec, "gbps": {spec: best GB/s}}. Default size: twice the last-level cache (at least
-    256 MiB, at most 2 GiB), so the weights come from DRAM as in decode."""
+def tune_stream(candidates=TUNE_CANDIDATES, nbytes: int | None = None, rounds: int = 2,
+                hidden: int = 4096, ffn: int = 14336) -> dict:
+    """Measures the expert kernel at one token (the decode regime) with each candidate prefetch,
+    interleaved over `rounds`, keeps the fastest and returns {"chosen": spec, "gbps": {spec: best
+    GB/s}}. The experts (Mixtral-8x7B's shape by default; their weight bits do not matter) are
+    cycled through `nbytes` of memory (default: twice the last-level cache, 256 MiB to 2 GiB), so
+    they come from DRAM as in decode."""
     nbytes = nbytes or min(max(256 << 20, 2 * _llc_bytes()), 2 << 30)
-    k = 4096
-    n = max(32, nbytes // (2 * k) // 32 * 32)
-    w_bytes = _L().fk_packed_bytes(n, k, 1)
-    w = aligned_buffer(w_bytes)
-    w.view(torch.int16).fill_(0x3F80)  # bf16 1.0 everywhere: the values do not matter, the pages must exist
-    x = torch.ones(1, k, dtype=torch.bfloat16)
-    y = torch.empty(1, n, dtype=torch.bfloat16)
     L = _L()
+    b13, b2 = L.fk_packed_bytes(ffn, hidden, 2), L.fk_packed_bytes(hidden, ffn, 1)
+    per = b13 + b2
+    count = max(2, nbytes // per)
+    w = aligned_buffer(count * per)
+    w.view(torch.int16).fill_(0x3C00)  # bf16 2^-7: finite all the way through; the values do not matter
+    x = torch.ones(1, hidden, dtype=torch.bfloat16)
+    y = torch.empty(1, hidden, dtype=torch.bfloat16)
     prev = stream()
     best = {c: 0.0 for c in candidates}
+    i = 0
     try:
         for _ in range(max(1, rounds)):
             for c in candidates:
                 set_stream(c, source="tune")
+                base = w.data_ptr() + (i % count) * per
+                i += 1
                 t = time.perf_counter()
-                _lib.check(L.fk_linear(w.data_ptr(), n, k, x.data_ptr(), 1, None, y.data_ptr(), 0, 0))
-                best[c] = max(best[c], w_bytes / (time.perf_counter() - t) / 1e9)
+                _lib.check(L.fk_expert_ffn(base, base + b13, hidden, ffn, x.data_ptr(), 1, y.data_ptr(), 0))
+                best[c] = max(best[c], per / (time.perf_counter() - t) / 1e9)
     finally:
         set_stream(f"{prev['hint']}:{prev['distance']}", source=prev["source"])
     chosen = max(best, key=best.get)

@@ -27,18 +27,19 @@ struct Default {
 };
 
 // Measured with a packed Mixtral-8x7B expert (352 MB bf16) at 1 token, 2 threads, cycling through
-// more weight copies than any cache holds:
-// - Intel Xeon (Sapphire Rapids, 2-core VM; results/measured/2026-12-01-intel-stream-tuning):
-//   T1 at 2-8 KiB 29-30 GB/s, T0 26-28, no prefetch 25, NTA 13-17 (the limit: 32-33 GB/s).
+// more weight copies than any cache holds (scripts/bench_stream.py):
+// - Intel Xeon (Sapphire Rapids, 2-core VM; results/measured/2026-12-01-intel-xeon-stream): of the
+//   read limit, T0 at 0.5-2 KiB reached 0.90-0.93, T1 at 2 KiB 0.92, both at 4 KiB 0.72-0.83, no
+//   prefetch 0.78-0.81, NTA 0.50; at 4 tokens T0 at 2 KiB was the best (0.81).
 //   An Emerald Rapids VM: T0 30 GB/s, none 19, NTA 11-12 (issue 10).
 // - AMD Zen 5 (EPYC, 2-core VM): NTA at 4 KiB was 2-3% faster than T0 at 8 KiB (decode A/B runs,
 //   commit 882f944).
 // Anything else gets T0, which was within a few percent of the best on both.
 constexpr Default kTable[] = {
-    {"GenuineIntel", kHintT1, 4096, "table: Intel (T1 4 KiB; NTA streamed at half the rate)"},
+    {"GenuineIntel", kHintT0, 2048, "table: Intel (T0 2 KiB; NTA streamed at half the rate)"},
     {"AuthenticAMD", kHintNta, 4096, "table: AMD (NTA 4 KiB; 2-3% over T0 on Zen 5)"},
 };
-constexpr Default kFallback = {"", kHintT0, 4096, "table: other CPUs (T0 4 KiB)"};
+constexpr Default kFallback = {"", kHintT0, 2048, "table: other CPUs (T0 2 KiB)"};
 
 std::string cpu_vendor() {
 #if defined(__x86_64__)

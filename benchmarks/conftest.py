@@ -1,0 +1,71 @@
+"""The regression suite's shared machinery (run by scripts/regress.py; not part of `pytest -q`).
+
+Every benchmark measures a *ratio* of two sides timed in the same process, interleaved round by round
+(A, B, A, B, ...), and keeps the best time of each side: on a shared machine a quiet moment then
+benefits both sides alike. pytest-benchmark drives the rounds (`benchmark.pedantic`), times each
+whole round and writes the JSON report; the ratio, the best time of each side and what the sides
+were go to `benchmark.extra_info`, which scripts/regress.py compares with the committed floors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true", default=False,
+                     help="the CI subset: the tiny model and one Mixtral-size expert, fewer rounds")
+
+
+@pytest.fixture(scope="session")
+def quick(request) -> bool:
+    return bool(request.config.getoption("--quick"))
+
+
+@pytest.fixture(scope="session")
+def rounds(quick) -> int:
+    return int(os.environ.get("FIDDLER_REGRESS_ROUNDS", 5 if quick else 9))
+
+
+def record_ratio(benchmark, name: str, value: float, direction: str, sides: dict, what: str, **extra) -> None:
+    """Stores one ratio for scripts/regress.py. direction: "higher" (a floor: the value must stay at
+    or above it) or "lower" (a ceiling)."""
+    assert direction in ("higher", "lower")
+    benchmark.extra_info.setdefault("ratios", []).append(
+        {"name": name, "value": float(value), "direction": direction, "what": what,
+         "sides": {k: float(v) for k, v in sides.items()}, **extra})
+
+
+def skip_ratios(names: list[str], reason: str) -> None:
+    """Skips the calling benchmark and tells scripts/regress.py which ratios it would have measured."""
+    path = os.environ.get("FIDDLER_REGRESS_SKIPS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"ratios": names, "reason": reason}) + "\n")
+    pytest.skip(reason)
+
+
+def interleaved(benchmark, sides: dict[str, Callable[[int], float | None]], rounds: int,
+                warmup: int = 1) -> dict[str, float]:
+    """Runs every side once per round, in order, for `rounds` rounds (after `warmup` unrecorded
+    ones) and returns each side's best value. A side is fn(round) -> seconds it measured itself (a
+    float), or anything else (None, a tensor) to be timed here as a whole call."""
+    best = {k: float("inf") for k in sides}
+    count = [0]
+
+    def one_round():
+        i = count[0]
+        count[0] += 1
+        for k, fn in sides.items():
+            t = time.perf_counter()
+            v = fn(i)
+            dt = v if isinstance(v, float) else time.perf_counter() - t
+            if i >= warmup:
+                best[k] = min(best[k], dt)
+
+    benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=warmup, iterations=1)
+    return best

@@ -1,0 +1,103 @@
+"""The CPU expert kernel on one Mixtral-8x7B expert (4096 x 14336, 352 MB bf16):
+- against torch's bf16 expert on the same weights (speedup), at 1, 4, 16 and 64 tokens;
+- against the independent read limit (fiddler.kernels.read_limit), measured in the same rounds;
+- the weight stream's active prefetch against the best candidate measured here at 1 token, which
+  catches a per-CPU default that is wrong for this CPU.
+
+Like the engine, which streams each expert from DRAM, every side cycles through enough weight
+copies that no cache holds them between calls.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fiddler.kernels as fk
+
+from .conftest import interleaved, record_ratio
+
+HIDDEN, FFN = 4096, 14336
+TOKENS = (1, 4, 16, 64)
+LIMIT_BYTES = 1 << 30  # the limit's buffer in the rounds: big enough to leave any cache, quick to read
+
+
+@pytest.fixture(scope="module")
+def experts():
+    if not fk.is_available():
+        pytest.skip(f"kernel library not available: {fk.load_error()}")
+    g = torch.Generator().manual_seed(0)
+    weight_bytes = 3 * HIDDEN * FFN * 2
+    copies = max(2, min(16, -(-fk.stream_working_set_bytes() // weight_bytes)))
+    torch_w, packed = [], []
+    for _ in range(copies):
+        w1 = (torch.randn(FFN, HIDDEN, generator=g) * HIDDEN**-0.5).to(torch.bfloat16)
+        w3 = (torch.randn(FFN, HIDDEN, generator=g) * HIDDEN**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(HIDDEN, FFN, generator=g) * FFN**-0.5).to(torch.bfloat16)
+        torch_w.append((w1, w3, w2))
+        packed.append(fk.PackedExpert(w1, w3, w2))
+    return torch_w, packed, weight_bytes
+
+
+def torch_expert(x, w1, w3, w2):
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_kernel(benchmark, experts, rounds, tokens):
+    torch_w, packed, weight_bytes = experts
+    n = len(packed)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
+    threads = fk.get_num_threads()
+    torch.set_num_threads(threads)
+
+    def limit(i):
+        gbps = fk.read_limit(nbytes=LIMIT_BYTES, repeats=1, cached=False)["gbps"]
+        return weight_bytes / (gbps * 1e9)  # the time the limit allows for one expert
+
+    # The kernel runs right after the limit's reads (not after a torch op, whose OpenMP threads
+    # busy-wait for a while after a parallel region and would share the cores with it).
+    best = interleaved(benchmark, {
+        "limit_s": limit,
+        "kernel_s": lambda i: packed[i % n].forward(x, out=out),
+        "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
+    }, rounds)
+    feats = fk.features()
+    path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
+    common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes)
+    record_ratio(benchmark, f"kernel_vs_torch_t{tokens}", best["torch_s"] / best["kernel_s"], "higher",
+                 best, f"torch bf16 expert time / kernel time, {tokens} token(s)", **common)
+    record_ratio(benchmark, f"kernel_vs_limit_t{tokens}", best["limit_s"] / best["kernel_s"], "higher",
+                 best, f"kernel GB/s / independent read limit GB/s, {tokens} token(s)", **common)
+
+
+def test_stream_choice(benchmark, experts, rounds):
+    """At one token, the active stream prefetch against every candidate of tune_stream."""
+    _, packed, weight_bytes = experts
+    n = len(packed)
+    x = torch.randn(1, HIDDEN).to(torch.bfloat16)
+    out = torch.empty(1, HIDDEN, dtype=torch.bfloat16)
+    active = fk.stream()
+    spec = f"{active['hint']}:{active['distance']}"
+
+    def with_stream(s):
+        def side(i):
+            fk.set_stream(s, source=active["source"])
+            t = time.perf_counter()
+            packed[i % n].forward(x, out=out)
+            return time.perf_counter() - t
+        return side
+
+    sides = {"active_s": with_stream(spec)}
+    sides.update({f"{c}_s": with_stream(c) for c in fk.TUNE_CANDIDATES if c != spec})
+    try:
+        best = interleaved(benchmark, sides, rounds)
+    finally:
+        fk.set_stream(spec, source=active["source"])
+    fastest = min(best.values())
+    record_ratio(benchmark, "stream_choice_vs_best", fastest / best["active_s"], "higher", best,
+                 f"best candidate's time / the active prefetch's ({spec}, {active['source']}) time, 1 token",
+                 stream=active)

@@ -1,0 +1,73 @@
+"""The planner's time per layer as a fraction of the expert time it plans for (lower is better).
+
+The plan is made on the critical path of every layer, so its cost must stay a small fraction of the
+layer's predicted expert time (the plan's makespan under the latency model). Two shapes: Mixtral-8x7B
+(8 experts, top-2) and a Qwen3-30B-A3B-like layer (128 experts of 768, top-8), on the RTX 4090
+environment's spec (conf/environment/rtx4090.yaml), with a quarter of the experts resident on the
+GPU; a decode step (1 token) and a 16-token step (beams or a short prefill chunk).
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fiddler.config import MoEConfig
+from fiddler.latency import HardwareSpec, LatencyModel
+from fiddler.planner import get_planner
+
+from .conftest import interleaved, record_ratio
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "mixtral_8x7b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_experts=8, top_k=2,
+                         num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000),
+    "e128k8": dict(hidden_size=2048, intermediate_size=768, num_layers=48, num_experts=128, top_k=8,
+                   num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936),
+}
+LAYERS = 64  # routings planned per round (a layer each)
+
+
+def latency_model(cfg: MoEConfig) -> LatencyModel:
+    env = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "environment" / "rtx4090.yaml"), resolve=False)
+    env["cpu"]["threads"] = env["cpu"]["cores"]
+    return LatencyModel.from_hardware_spec(HardwareSpec.from_environment(env), cfg)
+
+
+def routings(cfg: MoEConfig, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(LAYERS):
+        counts = [0] * cfg.num_experts
+        for _ in range(tokens):
+            for e in rng.sample(range(cfg.num_experts), cfg.top_k):
+                counts[e] += 1
+        out.append(counts)
+    return out
+
+
+@pytest.mark.parametrize("planner", ["makespan", "paper"])
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_planner_fraction(benchmark, rounds, shape, tokens, planner):
+    cfg = MoEConfig(**SHAPES[shape])
+    lm = latency_model(cfg)
+    plan = get_planner(planner)
+    rng = random.Random(1)
+    resident = [rng.random() < 0.25 for _ in range(cfg.num_experts)]
+    layers = routings(cfg, tokens, seed=tokens)
+    predicted = sum(plan(c, resident, lm).makespan for c in layers) / LAYERS
+
+    def side(i):
+        t = time.perf_counter()
+        for c in layers:
+            plan(c, resident, lm)
+        return (time.perf_counter() - t) / LAYERS
+
+    best = interleaved(benchmark, {"planner_s": side}, rounds)
+    record_ratio(benchmark, f"planner_{planner}_{shape}_t{tokens}", best["planner_s"] / predicted, "lower",
+                 {**best, "predicted_expert_s": predicted},
+                 f"{planner} planner time per layer / predicted expert time of the layer, {shape}, {tokens} token(s)")

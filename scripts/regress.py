@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Regression check: runs the benchmark suite (benchmarks/, pytest-benchmark) and compares each
+measured *ratio* with its committed floor in results/regression/floors.yaml.
+
+Ratios, never absolute times: each ratio's two sides are measured interleaved in one process and
+each side keeps its best time (see benchmarks/conftest.py), so a busy shared machine moves both sides
+alike. Floors are chosen by the host CPU's flags (not by a forced kernel path): one set for x86 CPUs
+with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its floor; a "lower" one
+(the planner's share of a layer's time) at or below its ceiling.
+
+    python scripts/regress.py --quick          # CI: tiny model + one Mixtral-size expert (a few minutes)
+    python scripts/regress.py                  # small_mixtral, more rounds
+    python scripts/regress.py --quick --update # record this run's readings; raise floors they support
+    python scripts/regress.py --lower kernel_vs_limit_t1=0.7 --reason "why" [--quick]
+
+--update keeps the last readings of every ratio in the file and raises a floor only to what the last
+UPDATE_WINDOW readings all support, less the file's margin: never to the latest reading alone, never
+down. Lowering a floor needs --lower with a --reason, which is stored next to the floor.
+Exit status: 0 all pass, 1 a ratio crossed its floor (each is named), 2 the suite itself failed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = ROOT / "results" / "regression" / "floors.yaml"
+UPDATE_WINDOW = 3  # readings a raised floor must be supported by
+HISTORY = 8  # readings kept per ratio
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_class(flags: set[str]) -> str:
+    """'avx512' for any x86 CPU with AVX-512 (F/BW/VL), else 'avx2' (the project's floor ISA)."""
+    return "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2"
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def run_suite(quick: bool, select: str | None) -> tuple[list[dict], list[dict], int]:
+    """Runs benchmarks/ and returns (ratios, skipped ratios, pytest's exit code)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report, skips = Path(tmp) / "bench.json", Path(tmp) / "skips.jsonl"
+        cmd = [sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "-q", "--no-header", "-p", "no:cacheprovider",
+               "--benchmark-enable", "--benchmark-quiet", f"--benchmark-json={report}", "-o", "console_output_style=classic"]
+        if quick:
+            cmd.append("--quick")
+        if select:
+            cmd += ["-k", select]
+        env = {**os.environ, "FIDDLER_REGRESS_SKIPS": str(skips)}
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's setting; see benchmarks/test_system_ratios.py
+        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        ratios = []
+        if report.exists():
+            for b in json.loads(report.read_text())["benchmarks"]:
+                for r in b.get("extra_info", {}).get("ratios", []):
+                    ratios.append({**r, "test": b["fullname"]})
+        skipped = [json.loads(l) for l in skips.read_text().splitlines()] if skips.exists() else []
+        return ratios, skipped, rc
+
+
+def load_floors() -> dict:
+    if not FLOORS.exists():
+        return {"margin": 0.15, "classes": {}}  # margin: a floor sits this fraction below its readings
+    return yaml.safe_load(FLOORS.read_text()) or {}
+
+
+def save_floors(data: dict) -> None:
+    header = ("# Floors of scripts/regress.py (see its docstring): per CPU class, per ratio. 'readings' are the\n"
+              "# last measurements recorded with --update; 'floor' only rises (to the minimum of the last\n"
+              f"# {UPDATE_WINDOW} readings less the margin); 'lowered' keeps every explicit lowering and its reason.\n")
+    FLOORS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = FLOORS.with_suffix(".tmp")
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, width=110))
+    tmp.replace(FLOORS)
+
+
+def check(ratios: list[dict], floors: dict) -> list[dict]:
+    rows = []
+    for r in ratios:
+        f = floors.get(r["name"], {}).get("floor")
+        if f is None:
+            status = "no floor"
+        elif r["direction"] == "higher":
+            status = "pass" if r["value"] >= f else "FAIL"
+        else:
+            status = "pass" if r["value"] <= f else "FAIL"
+        rows.append({**r, "floor": f, "status": status})
+    return rows
+
+
+def print_table(rows: list[dict], skipped: list[dict], cls: str) -> None:
+    print(f"\nregression ratios on {cpu_name()} (floors: {cls}; each ratio's sides interleaved, best of the rounds)")
+    head = f"{'ratio':<40} {'floor':>9} {'measured':>9} {'':>2} {'status':<8} what"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        f = "-" if r["floor"] is None else f"{r['floor']:.4g}"
+        sign = ">=" if r["direction"] == "higher" else "<="
+        extra = f" [{r['path']}]" if r.get("path") else ""
+        print(f"{r['name']:<40} {f:>9} {r['value']:>9.4g} {sign:>2} {r['status']:<8} {r['what']}{extra}")
+    for s in skipped:
+        for name in s["ratios"]:
+            print(f"{name:<40} {'':>9} {'':>9} {'':>2} {'skipped':<8} {s['reason']}")
+
+
+def floors_of(data: dict, cls: str, mode: str, create: bool = False) -> dict:
+    """The floors of one CPU class and suite mode ("quick" or "full")."""
+    if create:
+        return data.setdefault("classes", {}).setdefault(cls, {}).setdefault(mode, {})
+    return (data.get("classes", {}).get(cls) or {}).get(mode) or {}
+
+
+def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
+    """Appends this run's readings and raises every floor its last UPDATE_WINDOW readings support."""
+    margin = float(data.get("margin", 0.15))
+    today = _dt.date.today().isoformat()
+    changes = []
+    for r in ratios:
+        e = table.setdefault(r["name"], {"direction": r["direction"], "floor": None, "readings": []})
+        e["what"] = r["what"]
+        e["readings"] = (e.get("readings") or [])[-(HISTORY - 1):] + [
+            {"value": round(r["value"], 5), "date": today, "cpu": cpu_name(), "path": r.get("path")}]
+        window = [x["value"] for x in e["readings"][-UPDATE_WINDOW:]]
+        if len(window) < UPDATE_WINDOW:
+            continue
+        if r["direction"] == "higher":
+            cand = round(min(window) * (1 - margin), 4)
+            raise_it = e["floor"] is None or cand > e["floor"]
+        else:
+            cand = round(max(window) * (1 + margin), 6)
+            raise_it = e["floor"] is None or cand < e["floor"]
+        if raise_it:
+            changes.append(f"{r['name']}: {e['floor']} -> {cand}")
+            e["floor"] = cand
+    return changes
+
+
+def lower(table: dict, spec: str, reason: str) -> str:
+    name, _, value = spec.partition("=")
+    if name not in table:
+        raise SystemExit(f"regress: no floor named {name!r} here; known: {', '.join(sorted(table))}")
+    try:
+        new = float(value)
+    except ValueError:
+        raise SystemExit(f"regress: --lower needs NAME=NUMBER, got {spec!r}") from None
+    e = table[name]
+    old = e.get("floor")
+    e["floor"] = new
+    e.setdefault("lowered", []).append({"from": old, "to": new, "date": _dt.date.today().isoformat(),
+                                        "cpu": cpu_name(), "reason": reason})
+    return f"{name}: {old} -> {new} ({reason})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the CI subset (tiny model, one Mixtral-size expert)")
+    ap.add_argument("--update", action="store_true", help="record the readings and raise the floors they support")
+    ap.add_argument("--lower", metavar="NAME=VALUE", help="lower one floor (needs --reason); runs nothing")
+    ap.add_argument("--reason", help="why a floor is lowered (stored in the file)")
+    ap.add_argument("-k", dest="select", help="only the benchmarks pytest -k selects (never with --update)")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--class", dest="cls", choices=["avx512", "avx2"], help=argparse.SUPPRESS)  # tests only
+    args = ap.parse_args(argv)
+    cls = args.cls or cpu_class(cpu_flags())
+    mode = "quick" if args.quick else "full"
+    data = load_floors()
+    if args.lower:
+        if not args.reason or not args.reason.strip():
+            ap.error("--lower needs --reason: the reason is stored with the floor")
+        print(lower(floors_of(data, cls, mode), args.lower, args.reason.strip()))
+        save_floors(data)
+        return 0
+    if args.update and args.select:
+        ap.error("--update records a whole run; do not combine it with -k")
+    ratios, skipped, rc = run_suite(args.quick, args.select)
+    if rc not in (0, 5) or not ratios:  # 5: no tests collected (-k matched nothing)
+        print(f"regress: the benchmark suite failed (pytest exit {rc}); no ratio is judged", file=sys.stderr)
+        return 2
+    table = floors_of(data, cls, mode)
+    rows = check(ratios, table)
+    print_table(rows, skipped, f"{cls}, {mode}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"class": cls, "cpu": cpu_name(), "rows": rows, "skipped": skipped},
+                                              indent=1))
+    if args.update:
+        for c in update(data, floors_of(data, cls, mode, create=True), ratios) or ["no floor changed"]:
+            print("update:", c)
+        save_floors(data)
+        return 0
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    missing = sorted({n for n, e in table.items() if e.get("floor") is not None} - {r["name"] for r in rows}
+                     - {n for s in skipped for n in s["ratios"]})
+    if missing and not args.select:
+        print(f"\nregress: {len(missing)} floor(s) had no reading: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if failed:
+        print("\nregress: FAILED " + "; ".join(
+            f"{r['name']} = {r['value']:.4g} {'<' if r['direction'] == 'higher' else '>'} floor {r['floor']:.4g}"
+            for r in failed), file=sys.stderr)
+        return 1
+    print(f"\nregress: all {len(rows)} ratios pass ({sum(r['floor'] is None for r in rows)} without a floor)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,17 +45,21 @@ def torch_expert(x, w1, w3, w2):
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
+@pytest.fixture(scope="module")
+def limit_buf():
+    return fk.limit_buffer(LIMIT_BYTES)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_kernel(benchmark, experts, rounds, tokens):
+def test_kernel(benchmark, experts, limit_buf, rounds, tokens):
     torch_w, packed, weight_bytes = experts
     n = len(packed)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
     out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
-    threads = fk.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(fk.get_num_threads())
 
     def limit(i):
-        gbps = fk.read_limit(nbytes=LIMIT_BYTES, repeats=1, cached=False)["gbps"]
+        gbps = fk.read_limit(repeats=1, buffer=limit_buf)["gbps"]
         return weight_bytes / (gbps * 1e9)  # the time the limit allows for one expert
 
     # The kernel runs right after the limit's reads (not after a torch op, whose OpenMP threads
@@ -64,7 +68,7 @@ def test_kernel(benchmark, experts, rounds, tokens):
         "limit_s": limit,
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
         "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
-    }, rounds)
+    }, 2 * rounds, warmup=2)
     feats = fk.features()
     path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes)
@@ -93,8 +97,8 @@ def test_stream_choice(benchmark, experts, rounds):
 
     sides = {"active_s": with_stream(spec)}
     sides.update({f"{c}_s": with_stream(c) for c in fk.TUNE_CANDIDATES if c != spec})
-    try:
-        best = interleaved(benchmark, sides, rounds)
+    try:  # calls of ~10 ms each: three times the rounds cost little and steady the ratio
+        best = interleaved(benchmark, sides, 3 * rounds)
     finally:
         fk.set_stream(spec, source=active["source"])
     fastest = min(best.values())

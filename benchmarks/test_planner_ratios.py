@@ -70,4 +70,5 @@ def test_planner_fraction(benchmark, rounds, shape, tokens, planner):
     best = interleaved(benchmark, {"planner_s": side}, rounds)
     record_ratio(benchmark, f"planner_{planner}_{shape}_t{tokens}", best["planner_s"] / predicted, "lower",
                  {**best, "predicted_expert_s": predicted},
-                 f"{planner} planner time per layer / predicted expert time of the layer, {shape}, {tokens} token(s)")
+                 f"{planner} planner time per layer / predicted expert time of the layer, {shape}, {tokens} token(s)",
+                 margin=0.5)  # pure Python: its speed differs between CPUs far more than the kernel's

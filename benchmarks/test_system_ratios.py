@@ -25,6 +25,9 @@ from runners.models import synthetic_model
 from .conftest import interleaved, record_ratio, skip_ratios
 
 DECODE_PROMPT, DECODE_TOKENS, PREFILL = 32, 16, 128
+# Whole-system steps of the tiny model take about a millisecond, mostly per-call overhead that moves
+# with the CPU's single-thread speed and with anything else running: floors sit further below.
+MARGIN = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,8 @@ def test_engine_decode_vs_transformers(benchmark, systems, rounds, model_name):
     best = interleaved(benchmark, {"engine_s": decode_side(systems["fiddler"]),
                                    "transformers_s": decode_side(systems["hf_transformers"])}, rounds)
     record_ratio(benchmark, "engine_decode_vs_transformers", best["transformers_s"] / best["engine_s"], "higher",
-                 best, f"transformers decode step / engine decode step, {model_name}", model=model_name)
+                 best, f"transformers decode step / engine decode step, {model_name}", model=model_name,
+                 margin=MARGIN)
 
 
 def test_engine_prefill_vs_transformers(benchmark, systems, rounds, model_name):
@@ -103,7 +107,7 @@ def test_engine_prefill_vs_transformers(benchmark, systems, rounds, model_name):
                                    "transformers_s": prefill_side(systems["hf_transformers"])}, rounds)
     record_ratio(benchmark, "engine_prefill128_vs_transformers", best["transformers_s"] / best["engine_s"],
                  "higher", best, f"transformers TTFT / engine TTFT, {PREFILL}-token prompt, {model_name}",
-                 model=model_name)
+                 model=model_name, margin=MARGIN)
 
 
 def test_engine_decode_vs_llama_cpp(benchmark, systems, rounds, model_name):
@@ -113,4 +117,5 @@ def test_engine_decode_vs_llama_cpp(benchmark, systems, rounds, model_name):
     best = interleaved(benchmark, {"engine_s": decode_side(systems["fiddler"]),
                                    "llama_cpp_s": decode_side(systems["llama_cpp"])}, rounds)
     record_ratio(benchmark, "engine_decode_vs_llama_cpp", best["llama_cpp_s"] / best["engine_s"], "higher", best,
-                 f"llama.cpp (bf16 GGUF) decode step / engine decode step, {model_name}", model=model_name)
+                 f"llama.cpp (bf16 GGUF) decode step / engine decode step, {model_name}", model=model_name,
+                 margin=MARGIN)

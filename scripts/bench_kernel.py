@@ -2,10 +2,10 @@
 """Benchmark the CPU expert kernel against PyTorch and against this machine's memory bandwidth.
 
 For each token count, in one process and side by side: the packed kernel (PackedExpert.forward),
-torch's bf16 F.linear expert on the same tensors, the streaming-read probe and an fp32 F.linear GEMV
-(one token) over as many bytes as the expert's weights. The limit (`stream_gbps`) is the faster of
-the last two. Every figure is the best of --reps interleaved rounds; the probe and GEMV are re-measured for
-each row so that a row is self-consistent when other processes load the machine.
+torch's bf16 F.linear expert on the same tensors, and the independent read limit
+(fiddler.kernels.read_limit: the best of plain/T0/T1/NTA streaming reads and an fp32 GEMV; `limit_by`
+names the winner). Every figure is the best of --reps interleaved rounds; the limit is re-measured
+for each row so that a row is self-consistent when other processes load the machine.
 
 Like the engine, which streams each expert from DRAM, the kernel, torch and the GEMV each cycle
 through enough copies of their weights to exceed `fiddler.kernels.stream_working_set_bytes()`, so no
@@ -63,11 +63,7 @@ def main(argv=None) -> list[dict]:
     t0 = time.perf_counter()
     experts = [fk.PackedExpert(*ws) for ws in torch_w]
     pack_s = (time.perf_counter() - t0) / copies
-    # fp32 GEMV over the same number of bytes: MKL's streaming rate, one of the two limit estimates
-    gemv_rows = -(-weight_bytes // (4 * H))
-    gemv_w = torch.randn(copies * gemv_rows, H, generator=g)
-    gemv_views = [gemv_w[i * gemv_rows : (i + 1) * gemv_rows] for i in range(copies)]
-    gemv_x = torch.randn(1, H, generator=g)
+    limit_buf = fk.limit_buffer()
 
     def torch_expert(x, a, b, c):
         return F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c)
@@ -77,30 +73,28 @@ def main(argv=None) -> list[dict]:
           f"{' + AMX' if feats['amx_active'] else ''}, torch {torch.__version__}; "
           f"expert {H}x{FF} ({weight_bytes / 1e6:.0f} MB bf16, {copies} copies cycled), packed in {pack_s:.2f} s, "
           f"best of {args.reps}")
-    cols = ["tokens", "kernel_ms", "torch_ms", "speedup", "kernel_gbps", "stream_gbps", "probe_gbps",
-            "gemv_fp32_gbps", "max_rel_diff"]
+    cols = ["tokens", "kernel_ms", "torch_ms", "speedup", "kernel_gbps", "limit_gbps", "of_limit", "limit_by",
+            "max_rel_diff"]
     print(" ".join(f"{c:>14}" for c in cols))
     rows = []
     for tokens in args.tokens:
         x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
         out = torch.empty(tokens, H, dtype=torch.bfloat16)
-        # Interleaved rounds (probe, kernel, GEMV, torch, probe, ...) so that every figure of a row
-        # gets the same chances of a quiet moment on a shared machine; best of the rounds each.
-        # Round i uses weight copy i % copies everywhere.
+        # Interleaved rounds (limit, kernel, torch, limit, ...) so that every figure of a row gets the
+        # same chances of a quiet moment on a shared machine; best of the rounds each. Round i uses
+        # weight copy i % copies everywhere.
         for i in range(min(2, copies)):
             experts[i].forward(x, out=out, threads=threads)
             torch_expert(x, *torch_w[i])
-            F.linear(gemv_x, gemv_views[i])
-        probe, gemv_s, k_s, t_s = 0.0, float("inf"), float("inf"), float("inf")
+        limit, k_s, t_s = {"gbps": 0.0}, float("inf"), float("inf")
         for r in range(args.reps):
             c = r % copies
-            probe = max(probe, fk.bandwidth_probe(threads=threads, repeats=2))
-            # the kernel runs after the probe, not right after a torch op: torch's OpenMP threads
-            # busy-wait after a parallel region and would share the cores with it (see API.md)
+            lim = fk.read_limit(threads=threads, repeats=1, buffer=limit_buf)
+            limit = max(limit, lim, key=lambda d: d["gbps"])
+            # the kernel runs after the limit's reads, not right after a torch op: torch's OpenMP
+            # threads busy-wait after a parallel region and would share the cores with it (see API.md)
             k_s = min(k_s, best_time(lambda: experts[c].forward(x, out=out, threads=threads), 1))
-            gemv_s = min(gemv_s, best_time(lambda: F.linear(gemv_x, gemv_views[c]), 1))
             t_s = min(t_s, best_time(lambda: torch_expert(x, *torch_w[c]), 1))
-        gemv_gbps = gemv_rows * H * 4 / gemv_s / 1e9
         experts[0].forward(x, out=out, threads=threads)
         ref = torch_expert(x, *torch_w[0]).float()
         diff = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -110,9 +104,10 @@ def main(argv=None) -> list[dict]:
             "torch_ms": t_s * 1e3,
             "speedup": t_s / k_s,
             "kernel_gbps": weight_bytes / k_s / 1e9,
-            "stream_gbps": max(probe, gemv_gbps),
-            "probe_gbps": probe,
-            "gemv_fp32_gbps": gemv_gbps,
+            "limit_gbps": limit["gbps"],
+            "of_limit": weight_bytes / k_s / 1e9 / limit["gbps"],
+            "limit_by": limit["best"],
+            "limit_strategies": limit["strategies"],
             "max_rel_diff": diff,
             "loadavg_1m": os.getloadavg()[0],
         }

@@ -46,6 +46,7 @@ def main(argv=None) -> dict:
     for _ in range(copies):
         w1, w3 = ((torch.randn(FF, H, generator=g) * H**-0.5).bfloat16() for _ in range(2))
         experts.append(fk.PackedExpert(w1, w3, (torch.randn(H, FF, generator=g) * FF**-0.5).bfloat16()))
+    limit_buf = fk.limit_buffer(1 << 30)
     default = fk.set_stream("auto")
     out = {"cpu": cpu_name(), "features": fk.features(), "default": default, "hidden": H, "ffn": FF,
            "copies": copies, "rounds": args.rounds, "rows": []}
@@ -59,7 +60,7 @@ def main(argv=None) -> dict:
         i = 0
         try:
             for _ in range(args.rounds):
-                limit = max(limit, fk.read_limit(nbytes=1 << 30, repeats=1, cached=False)["gbps"])
+                limit = max(limit, fk.read_limit(repeats=1, buffer=limit_buf)["gbps"])
                 for c in CANDIDATES:
                     fk.set_stream(c)
                     e = experts[i % copies]

@@ -25,7 +25,7 @@ from . import _lib
 
 __all__ = [
     "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "features", "set_num_threads",
-    "get_num_threads", "stream", "set_stream", "tune_stream", "read_limit", "stream_working_set_bytes",
+    "get_num_threads", "stream", "set_stream", "tune_stream", "read_limit", "limit_buffer", "stream_working_set_bytes",
     "is_available", "load_error",
 ]
 
@@ -240,26 +240,40 @@ LIMIT_STRATEGIES = (("none", 0), ("t0", 2048), ("t1", 2048), ("nta", 2048))
 _LIMIT_CACHE: dict = {}
 
 
-def read_limit(nbytes: int | None = None, threads: int | None = None, repeats: int = 2, cached: bool = True) -> dict:
+def limit_buffer(nbytes: int | None = None) -> torch.Tensor:
+    """A buffer for read_limit(buffer=...): `nbytes` (default `stream_working_set_bytes()`, rounded to
+    whole 16 KiB rows), 64-byte aligned and written, so every page is backed (zero pages would all
+    map one physical page). Allocate it once to measure the limit repeatedly without re-faulting."""
+    nbytes = nbytes or stream_working_set_bytes()
+    if nbytes < (1 << 20):
+        raise ValueError("read_limit needs nbytes >= 1 MiB")
+    nbytes = nbytes // (16 << 10) * (16 << 10)
+    buf = aligned_buffer(nbytes) if is_available() else torch.empty(nbytes, dtype=torch.uint8)
+    buf.view(torch.float32).fill_(1.0)
+    return buf
+
+
+def read_limit(nbytes: int | None = None, threads: int | None = None, repeats: int = 2, cached: bool = True,
+               buffer: torch.Tensor | None = None) -> dict:
     """The memory-read limit of this host, the one probe of the project (the engine's decode bound,
     `environment=local` and the benchmarks all use it): the best of several streaming reads (plain
     loads and T0/T1/NTA prefetch at `threads` threads, plain loads at one) and of an fp32 GEMV (torch
     F.linear, one token) over the same `nbytes` buffer (default `stream_working_set_bytes()`), each
     the best of `repeats`. None of them uses the kernel's stream tuning. Without the compiled library
-    only the GEMV runs. Returns {"gbps": best, "best": its name, "strategies": {name: GB/s},
-    "nbytes", "threads"}; measured once per process and argument set unless cached=False."""
-    nbytes = nbytes or stream_working_set_bytes()
+    only the GEMV runs. `buffer` (from limit_buffer) replaces `nbytes` for repeated measurements.
+    Returns {"gbps": best, "best": its name, "strategies": {name: GB/s}, "nbytes", "threads"};
+    measured once per process and argument set unless cached=False (always with a buffer)."""
     n = _threads(threads) or (get_num_threads() if is_available() else torch.get_num_threads())
-    if nbytes < (1 << 20) or repeats < 1:
-        raise ValueError("read_limit needs nbytes >= 1 MiB and repeats >= 1")
-    key = (nbytes, n, repeats)
+    if repeats < 1:
+        raise ValueError("read_limit needs repeats >= 1")
+    key = (nbytes or stream_working_set_bytes(), n, repeats)
+    cached = cached and buffer is None
     if cached and key in _LIMIT_CACHE:
         return copy.deepcopy(_LIMIT_CACHE[key])
+    buf = buffer if buffer is not None else limit_buffer(nbytes)
     k = 4096
-    nbytes = nbytes // (4 * k) * (4 * k)
-    buf = aligned_buffer(nbytes) if is_available() else torch.empty(nbytes, dtype=torch.uint8)
+    nbytes = buf.numel()
     w = buf.view(torch.float32).view(-1, k)
-    w.fill_(1.0)  # written, so every page is backed (zero pages would all map one page)
     res: dict[str, float] = {}
     if is_available():
         for hint, dist in LIMIT_STRATEGIES:

@@ -24,7 +24,7 @@ const char* last_error() { return g_error.c_str(); }
 
 const char* const kFeatureNames[kNumFeatures] = {
     "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile",
-    "amx_bf16", "os_avx", "os_avx512", "os_amx"};
+    "amx_bf16", "os_avx", "os_avx512", "os_amx", "avx", "f16c", "bmi2", "avx512_vbmi", "avx512_vnni"};
 
 Cpu detect_cpu() {
   Cpu c;
@@ -32,6 +32,8 @@ Cpu detect_cpu() {
   unsigned a, b, cx, d;
   if (!__get_cpuid_count(1, 0, &a, &b, &cx, &d)) return c;
   c.has[kFma] = cx & (1u << 12);
+  c.has[kAvx] = cx & (1u << 28);
+  c.has[kF16c] = cx & (1u << 29);
   const bool osxsave = cx & (1u << 27);
   uint64_t xcr0 = 0;
   if (osxsave) {
@@ -44,6 +46,9 @@ Cpu detect_cpu() {
   c.has[kOsAmx] = (xcr0 & 0x60000) == 0x60000;    // XTILECFG + XTILEDATA
   if (__get_cpuid_count(7, 0, &a, &b, &cx, &d)) {
     c.has[kAvx2] = b & (1u << 5);
+    c.has[kBmi2] = b & (1u << 8);
+    c.has[kAvx512vbmi] = cx & (1u << 1);
+    c.has[kAvx512vnni] = cx & (1u << 11);
     c.has[kAvx512f] = b & (1u << 16);
     c.has[kAvx512dq] = b & (1u << 17);
     c.has[kAvx512bw] = b & (1u << 30);

@@ -30,7 +30,9 @@ const char* last_error();
 // ---------------------------------------------------------------- CPU features (fk_cpu.cpp)
 enum Feature {
   kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512vl, kAvx512dq, kAvx512bf16, kAmxTile, kAmxBf16,
-  kOsAvx, kOsAvx512, kOsAmx, kNumFeatures
+  kOsAvx, kOsAvx512, kOsAmx,
+  // not used by the kernel; reported so that other builds (llama.cpp's flags) can be chosen from them
+  kAvx, kF16c, kBmi2, kAvx512vbmi, kAvx512vnni, kNumFeatures
 };
 extern const char* const kFeatureNames[kNumFeatures];
 

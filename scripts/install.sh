@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One-command setup of the project, from its root or anywhere:  scripts/install.sh
+#   1. a virtual environment (.venv, or $VENV), reused if it exists;
+#   2. PyTorch: the CPU build unless an NVIDIA GPU answers (a plain `pip install torch` brings a
+#      multi-GB CUDA build); $TORCH_SPEC overrides the requirement;
+#   3. the project with its dev extra (this compiles the Fiddler CPU kernel);
+#   4. the llamacpp extra, with llama.cpp built for the instruction sets this CPU has (read by the
+#      kernel's CPUID detection: baselines/llama_cpp/build_flags.py), never its AMX path, plus CUDA
+#      where an NVIDIA GPU answers; $CMAKE_ARGS, if set, is used as given;
+#   5. llama.cpp's HF->GGUF converter.
+# Then activate the environment:  . .venv/bin/activate
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "virtual environment $VENV"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+python -m pip install --upgrade pip
+
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then GPU=1; else GPU=0; fi
+if python -c "import torch" 2>/dev/null && [ -z "${TORCH_SPEC:-}" ]; then
+  step "PyTorch $(python -c 'import torch; print(torch.__version__)') is already installed"
+elif [ "$GPU" = 1 ]; then
+  step "PyTorch (CUDA build: an NVIDIA GPU answered)"
+  pip install "${TORCH_SPEC:-torch>=2.4,<2.15}"
+else
+  step "PyTorch (CPU build: no NVIDIA GPU)"
+  # PyPI's Linux wheels are CUDA builds; the CPU ones live on PyTorch's own index. Where that index
+  # is out of reach (an offline mirror that carries the CPU wheel), the plain requirement is used.
+  if python - <<'EOF' 2>/dev/null
+import urllib.request
+urllib.request.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=5)
+EOF
+  then
+    pip install "${TORCH_SPEC:-torch==2.13.0}" --index-url https://download.pytorch.org/whl/cpu \
+      --extra-index-url https://pypi.org/simple
+  else
+    pip install "${TORCH_SPEC:-torch==2.13.0}"
+  fi
+fi
+
+step "the project and its dev extra (compiles the CPU kernel)"
+pip install -e ".[dev]"
+
+if [ -z "${CMAKE_ARGS:-}" ]; then
+  CMAKE_ARGS="$(python -m baselines.llama_cpp.build_flags)"
+fi
+# the llamacpp extra's requirements, as pyproject.toml lists them
+LLAMACPP_REQS=$(python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['llamacpp']))")
+step "llama-cpp-python for this CPU: CMAKE_ARGS=\"$CMAKE_ARGS\" (compiles llama.cpp: minutes)"
+echo "$LLAMACPP_REQS" | CMAKE_ARGS="$CMAKE_ARGS" xargs -d '\n' pip install --no-cache-dir
+
+step "llama.cpp's HF->GGUF converter"
+python -m baselines.llama_cpp.convert --fetch
+
+step "done: activate with  . $VENV/bin/activate"

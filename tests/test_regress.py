@@ -1,0 +1,117 @@
+"""scripts/regress.py's judging and floor bookkeeping (the suite itself is replaced by fixed readings)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def regress(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("regress_under_test", ROOT / "scripts" / "regress.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "FLOORS", tmp_path / "floors.yaml")
+    monkeypatch.setattr(mod, "cpu_name", lambda: "Test CPU")
+    monkeypatch.delenv("FIDDLER_KERNEL_ISA", raising=False)
+    readings = {"values": {"k_up": 1.0, "p_down": 0.1}, "skipped": []}
+
+    def fake_suite(quick, select):
+        ratios = [{"name": n, "value": v, "direction": "lower" if n.startswith("p_") else "higher",
+                   "what": n, "sides": {}} for n, v in readings["values"].items()]
+        return ratios, readings["skipped"], 0
+
+    monkeypatch.setattr(mod, "run_suite", fake_suite)
+    mod.readings = readings
+    return mod
+
+
+def floors(mod) -> dict:
+    return yaml.safe_load(mod.FLOORS.read_text())["classes"]["avx512"]["quick"]
+
+
+def test_update_needs_three_readings_and_only_raises(regress):
+    args = ["--quick", "--update", "--class", "avx512"]
+    assert regress.main(args) == 0 and floors(regress)["k_up"]["floor"] is None  # one reading moves nothing
+    regress.main(args)
+    assert floors(regress)["k_up"]["floor"] is None
+    regress.main(args)
+    f = floors(regress)
+    assert f["k_up"]["floor"] == pytest.approx(0.85) and f["p_down"]["floor"] == pytest.approx(0.115)
+    regress.readings["values"] = {"k_up": 0.5, "p_down": 0.5}  # a bad run never lowers a floor
+    regress.main(args)
+    f = floors(regress)
+    assert f["k_up"]["floor"] == pytest.approx(0.85) and f["p_down"]["floor"] == pytest.approx(0.115)
+    regress.readings["values"] = {"k_up": 2.0, "p_down": 0.1}
+    regress.main(args)
+    regress.main(args)
+    assert floors(regress)["k_up"]["floor"] == pytest.approx(0.85)  # the 0.5 is still among the last 3
+    regress.main(args)
+    assert floors(regress)["k_up"]["floor"] == pytest.approx(1.7)  # three readings of 2.0 support it
+
+
+def test_other_cpus_readings_hold_a_floor_down(regress, monkeypatch):
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    data = yaml.safe_load(regress.FLOORS.read_text())
+    data["classes"]["avx512"]["quick"]["k_up"]["readings"].insert(0, {"value": 0.6, "cpu": "Other CPU"})
+    regress.FLOORS.write_text(yaml.safe_dump(data))
+    regress.readings["values"]["k_up"] = 3.0
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    assert floors(regress)["k_up"]["floor"] == pytest.approx(0.85)  # 0.6 * 0.85 < 0.85: stays
+
+
+def test_judging_names_each_failure(regress, capsys):
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    capsys.readouterr()
+    assert regress.main(["--quick", "--class", "avx512"]) == 0
+    out = capsys.readouterr().out
+    assert "k_up" in out and "pass" in out and "FAIL" not in out
+    regress.readings["values"] = {"k_up": 0.8, "p_down": 0.2}
+    assert regress.main(["--quick", "--class", "avx512"]) == 1
+    cap = capsys.readouterr()
+    assert cap.out.count("FAIL") == 2 and "FAILED k_up = 0.8 < floor 0.85" in cap.err and "p_down = 0.2 > floor" in cap.err
+
+
+def test_missing_and_skipped_ratios(regress, capsys):
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    regress.readings["values"] = {"k_up": 1.0}
+    assert regress.main(["--quick", "--class", "avx512"]) == 2  # a floor without a reading is not a pass
+    assert "p_down" in capsys.readouterr().err
+    regress.readings["skipped"] = [{"ratios": ["p_down"], "reason": "llama-cpp-python is not installed"}]
+    assert regress.main(["--quick", "--class", "avx512"]) == 0
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_lowering_needs_a_reason_and_keeps_it(regress):
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    with pytest.raises(SystemExit):
+        regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.5"])
+    assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.5", "--reason", "new torch is faster"]) == 0
+    e = floors(regress)["k_up"]
+    assert e["floor"] == 0.5 and e["lowered"][0]["reason"] == "new torch is faster" and e["lowered"][0]["from"] == 0.85
+    with pytest.raises(SystemExit, match="no floor named"):
+        regress.main(["--quick", "--class", "avx512", "--lower", "nope=1", "--reason", "x"])
+
+
+def test_floors_are_chosen_by_cpu_flags(regress):
+    assert regress.cpu_class({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}) == "avx512"
+    assert regress.cpu_class({"avx2", "fma"}) == "avx2"
+
+
+def test_committed_floors_cover_both_classes():
+    data = yaml.safe_load((ROOT / "results" / "regression" / "floors.yaml").read_text())
+    for cls in ("avx512", "avx2"):
+        quick = data["classes"][cls]["quick"]
+        for name in ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "kernel_vs_limit_t64", "engine_decode_vs_transformers",
+                     "planner_makespan_e128k8_t1"):
+            assert quick[name]["floor"] is not None, (cls, name)

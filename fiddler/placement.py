@@ -20,7 +20,7 @@ import torch
 from .popularity import Popularity
 
 # The executor double-buffers copied-in experts: one buffer is computed on while the next expert is
-# copied into the other (fiddler/executor.py uses exactly this many).
+# copied into the other (fiddler/executors/orchestrator.py uses exactly this many).
 COPY_BUFFERS = 2
 
 
@@ -31,7 +31,7 @@ def _size(dtype: torch.dtype) -> int:
 def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
     """Peak transient GPU memory of one forward pass over max_batch x max_seq_len tokens (a full prefill).
 
-    Counts the tensors fiddler/model.py and fiddler/executor.py create: the residual stream and its
+    Counts the tensors fiddler/model.py and fiddler/executors/ create: the residual stream and its
     normed copy; attention q/k/v/output and the boolean mask of the masked SDPA path (SDPA's fused
     kernels do not materialise scores); the MoE block's per-slot outputs, gathered rows, the largest
     expert's intermediates (all T tokens may route to one expert), CPU results copied back, routing

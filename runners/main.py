@@ -55,7 +55,7 @@ def resolve_model_path(conf: Config) -> str:
     if not model.synthetic:
         raise ConfigError(f"model={model.name} needs model.path=<local Hugging Face checkpoint> to execute "
                           f"(or mode=simulate, which needs no weights)")
-    from fiddler.synthetic import ensure_synthetic_model
+    from runners.synthetic import ensure_synthetic_model
 
     return str(ensure_synthetic_model(model.name, dict(model.arch), model.seed,
                                       Path(conf.cache_dir).expanduser() / "models", dtype=model.dtype.value))

@@ -84,7 +84,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
         budget_emulated = bool(gpu) and float(env["gpu"]["memory_gb"]) < gpu["memory_gb"] - 0.5
     except Exception:
         pass
-    from fiddler.hardware import host_facts
+    from runners.host import host_facts
 
     return {
         "schema_version": records.SCHEMA_VERSION,

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from fiddler import Engine
 from fiddler.config import MoEConfig
 from fiddler.executors import GpuSide, local_executor
-from fiddler.synthetic import default_cache_root, ensure_synthetic_model
+from runners.synthetic import default_cache_root, ensure_synthetic_model
 from fiddler.weights import CheckpointError, load_weights
 from tests.models import ARCHS, model_path, prompt
 

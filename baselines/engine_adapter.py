@@ -24,7 +24,7 @@ class EngineAdapter(SystemAdapter):
         so the orchestration runs as it would on a card of that size)."""
         from fiddler.gpu_side import GpuSide
 
-        gb = self.options.get("gpu_budget_gb")
+        gb = self.config.gpu_budget_gb
         source = "system.gpu_budget_gb"
         if gb is None:
             gb, source = self.ctx.gpu_memory_gb, "environment.gpu.memory_gb"
@@ -45,7 +45,7 @@ class EngineAdapter(SystemAdapter):
         self.gpu, self.budget_source = self.gpu_side()
         self.engine = Engine.from_pretrained(
             self.model.path, dtype=getattr(torch, self.model.dtype), gpu=self.gpu, executor=self.executor_factory(),
-            cpu_threads=self.options.get("cpu_threads") or self.ctx.threads,
+            cpu_threads=self.config.cpu_threads or self.ctx.threads,
             max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch,
         )
 

@@ -110,7 +110,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         else:
             os.environ.update(process_env)
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
-              isolation=isolation.value, process_env=process_env)
+              isolation=isolation.value, process_env=process_env, system_config=conf.system)
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
     try:

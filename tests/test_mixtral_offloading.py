@@ -15,6 +15,7 @@ import torch
 from baselines.base import ModelSpec, RunContext, SystemUnavailable
 from baselines.mixtral_offloading import DEFAULT_CACHE_SIZE, derive_cache_size, load_engine
 from baselines.mixtral_offloading.adapter import MixtralOffloadingAdapter
+from baselines.mixtral_offloading.config import MixtralOffloadingConfig
 from fiddler.config import MoEConfig
 from fiddler.executors import ExpertWeights
 from fiddler.gpu_side import GpuSide
@@ -273,7 +274,8 @@ def adapter(tmp_path, gpu_gb=0.0, dtype="float32", **options):
     spec = ModelSpec(name="e8k2", path=str(model_path("e8k2")), dtype=dtype)
     ctx = RunContext(threads=torch.get_num_threads(), gpu_memory_gb=gpu_gb, has_cuda=torch.cuda.is_available(),
                      cache_dir=str(tmp_path), max_seq_len=64, max_batch=2)
-    a = MixtralOffloadingAdapter({"prefetch": True, "quantize": False, **options}, spec, ctx)
+    a = MixtralOffloadingAdapter(MixtralOffloadingConfig.build(**{"prefetch": True, "quantize": False, **options}),
+                                 spec, ctx)
     a.load()
     return a
 

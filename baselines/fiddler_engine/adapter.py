@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from baselines.engine_adapter import EngineAdapter
 
+from .config import FiddlerConfig
+
 
 class FiddlerAdapter(EngineAdapter):
+    config: FiddlerConfig
+
     def executor_factory(self):
         from fiddler.executors import FiddlerPolicy
 
-        return FiddlerPolicy(placement=self.options.get("placement", "popularity"),
-                             popularity=self.options.get("popularity_profile"),
-                             planner=self.options.get("planner", "makespan"))
+        c = self.config
+        return FiddlerPolicy(placement=c.placement.value, popularity=c.popularity_profile, planner=c.planner.value)

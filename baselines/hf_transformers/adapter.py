@@ -21,7 +21,7 @@ class HFTransformersAdapter(SystemAdapter):
 
         torch.set_num_threads(self.ctx.threads)
         self.device = torch.device("cuda" if self.ctx.has_cuda else "cpu")
-        impl = self.options.get("experts_implementation", "auto")
+        impl = self.config.experts_implementation.value
         if impl == "auto":
             impl = self._fastest_available()
         self.model = AutoModelForCausalLM.from_pretrained(

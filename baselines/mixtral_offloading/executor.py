@@ -38,10 +38,9 @@ from fiddler.executors import (COPY, GPU, BuildContext, CopyIn, ExpertExecutor, 
 from fiddler.model import rms_norm
 from fiddler.placement import reservation
 
-#: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo
-#: offloads 4-6 of Mixtral's 8 experts per layer; 2 resident of 8 is the "offload 6" setting.
-DEFAULT_CACHE_SIZE = 2
-PREFETCH_INPUTS = ("residual", "moe_input")
+from .config import DEFAULT_CACHE_SIZE, PrefetchInput
+
+PREFETCH_INPUTS = tuple(p.value for p in PrefetchInput)
 
 
 # ---------------------------------------------------------------------------- expert storage

@@ -10,8 +10,8 @@ from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
 
 class EngineAdapter(SystemAdapter):
     # The engine alternates between its kernel's thread pool and short torch ops; libgomp's default
-    # spin-wait after every torch op keeps the cores busy while the kernel needs them (decode and prefill
-    # about 2x slower on 2 cores). transformers alone is faster with the default, so this is per system.
+    # spin-wait after every torch op keeps the cores busy while the kernel needs them (much slower decode
+    # and prefill on few cores). transformers alone is faster with the default, so this is per system.
     process_env = {"OMP_WAIT_POLICY": "PASSIVE"}
 
     @abc.abstractmethod

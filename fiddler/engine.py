@@ -100,7 +100,7 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
 
     While the packed kernel runs the CPU linears (and the executor's CPU experts), torch keeps one intra-op
     thread: libgomp's workers spin for milliseconds after each parallel region, and two spinning pools on
-    the same cores slowed decode 3x here. torch then only runs small ops."""
+    the same cores slow decode several-fold. torch then only runs small ops."""
     kernel_linears = any(l.packed is not None for l in model.linears())
     max_tokens = choose_kernel_max_tokens(model.layers[0].qkv_proj.weight) if kernel_linears else None
     executor.bind_model(model)

@@ -24,10 +24,6 @@ from .popularity import Popularity
 COPY_BUFFERS = 2
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
     """Peak transient GPU memory of one forward pass over max_batch x max_seq_len tokens (a full prefill).
 
@@ -37,7 +33,7 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
     expert's intermediates (all T tokens may route to one expert), CPU results copied back, routing
     indices; and fp32 logits of the last position. Attention and MoE are not live at the same time.
     """
-    s = _size(dtype)
+    s = dtype.itemsize
     T = max_seq_len * max_batch
     H, F, K = config.hidden_size, config.intermediate_size, config.top_k
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim

@@ -58,7 +58,8 @@ def test_rms_norm_in_place_and_batched_shape():
 
 # ------------------------------------------------------------------ rope + cache + attention
 def torch_reference(qkv, pos, cos, sin, kc, vc, nh, window):
-    """fiddler.model.MoETransformer._attention for T == 1, on one layer's cache (modified in place)."""
+    """The model's torch attention path (MoETransformer.forward with the fast path off) for T == 1, on one
+    layer's cache (modified in place)."""
     B = qkv.shape[0]
     _, nkv, _, d = kc.shape
     x = qkv.view(B, 1, nh + 2 * nkv, d)

@@ -8,8 +8,67 @@ same code for every system. Systems never time themselves for the headline metri
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from enum import Enum
+from typing import Any, Callable, ClassVar
+
+MISSING = "???"  # omegaconf.MISSING: a value the yaml must give
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the offending key."""
+
+
+def check(ok: Callable[[], Any], key: str, value: Any, allowed: str) -> None:
+    """Raise ConfigError unless `ok()`; unset (MISSING) values are skipped (OmegaConf builds schema
+    defaults before values are filled in)."""
+    if value == MISSING or (isinstance(value, list) and MISSING in value):
+        return
+    if not ok():
+        raise ConfigError(f"{key}={value!r} is invalid; allowed: {allowed}")
+
+
+@dataclass
+class SystemConfig:
+    """Options of one system: the base of every `baselines/<name>/config.py` class. The runner composes
+    it from `conf/system/<name>.yaml` (types and enum values checked by Hydra, ranges by
+    `__post_init__`) and hands it to the adapter as this typed object."""
+
+    #: the structured-config name the system's yaml lists in its defaults (`<schema_name>`)
+    schema_name: ClassVar[str] = ""
+
+    name: str = MISSING
+    adapter: str = MISSING  # "package.module:ClassName", imported lazily
+
+    @classmethod
+    def build(cls, **options):
+        """The config from keyword options, with the same type and enum checks as the runner's (for
+        scripts and tests that make an adapter without Hydra)."""
+        from omegaconf import OmegaConf
+
+        options = {"name": cls.schema_name.removesuffix("_schema"), "adapter": "", **options}
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), options))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enums as their values), for records."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(v):
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a record's reason."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 class SystemUnavailable(RuntimeError):
@@ -57,7 +116,8 @@ class GenerationResult:
 
 
 class SystemAdapter(abc.ABC):
-    """Base class of every system adapter. Subclasses import heavy dependencies lazily in ``load``."""
+    """Base class of every system adapter. Subclasses import heavy dependencies lazily in ``load``.
+    ``config`` is the system's typed config (a SystemConfig subclass from its ``config.py``)."""
 
     #: token accounting used for beams: tokens counted are those of the returned sequence (paper)
     token_accounting = "returned_sequence"
@@ -65,8 +125,8 @@ class SystemAdapter(abc.ABC):
     #: e.g. OpenMP settings read once at library load; the runner then runs it in a fresh process
     process_env: dict[str, str] = {}
 
-    def __init__(self, options: dict[str, Any], model: ModelSpec, ctx: RunContext):
-        self.options = options
+    def __init__(self, config: SystemConfig, model: ModelSpec, ctx: RunContext):
+        self.config = config
         self.model = model
         self.ctx = ctx
 

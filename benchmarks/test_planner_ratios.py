@@ -16,8 +16,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from fiddler.config import MoEConfig
-from fiddler.latency import HardwareSpec, LatencyModel
+from fiddler.latency import LatencyModel
 from fiddler.planner import get_planner
+from runners.hardware_spec import hardware_spec
 
 from .conftest import interleaved, record_ratio
 
@@ -34,7 +35,7 @@ LAYERS = 64  # routings planned per round (a layer each)
 def latency_model(cfg: MoEConfig) -> LatencyModel:
     env = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "environment" / "rtx4090.yaml"), resolve=False)
     env["cpu"]["threads"] = env["cpu"]["cores"]
-    return LatencyModel.from_hardware_spec(HardwareSpec.from_environment(env), cfg)
+    return LatencyModel.from_hardware_spec(hardware_spec(env), cfg)
 
 
 def routings(cfg: MoEConfig, tokens: int, seed: int) -> list[list[int]]:

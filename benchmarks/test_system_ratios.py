@@ -44,13 +44,17 @@ def systems(model_name):
                      max_seq_len=PREFILL + DECODE_TOKENS + 8, max_batch=1)
     spec = ModelSpec(name=model_name, path=str(path), dtype="bfloat16")
     from baselines.fiddler_engine.adapter import FiddlerAdapter
+    from baselines.fiddler_engine.config import FiddlerConfig
     from baselines.hf_transformers.adapter import HFTransformersAdapter
+    from baselines.hf_transformers.config import HFTransformersConfig
 
-    out = {"fiddler": FiddlerAdapter({}, spec, ctx), "hf_transformers": HFTransformersAdapter({}, spec, ctx)}
+    out = {"fiddler": FiddlerAdapter(FiddlerConfig.build(), spec, ctx),
+           "hf_transformers": HFTransformersAdapter(HFTransformersConfig.build(), spec, ctx)}
     try:
         from baselines.llama_cpp.adapter import LlamaCppAdapter
+        from baselines.llama_cpp.config import LlamaCppConfig
 
-        out["llama_cpp"] = LlamaCppAdapter({}, spec, ctx)
+        out["llama_cpp"] = LlamaCppAdapter(LlamaCppConfig.build(), spec, ctx)
     except ImportError:
         pass
     loaded = {}

@@ -4,7 +4,7 @@ __all__ = ["Engine", "MoEConfig"]
 
 
 def __getattr__(name):
-    # Lazy, so that `import fiddler.synthetic` (or kernels) does not pull in the whole engine.
+    # Lazy, so that `import fiddler.kernels` (or hardware) does not pull in the whole engine.
     if name == "Engine":
         from .engine import Engine
 

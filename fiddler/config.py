@@ -17,10 +17,6 @@ import torch
 SUPPORTED = {"mixtral": ("MixtralForCausalLM",)}
 
 
-def _dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass
 class MoEConfig:
     hidden_size: int
@@ -100,7 +96,7 @@ class MoEConfig:
 
     def expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """One expert's w1 + w3 + w2."""
-        return self.expert_params() * _dtype_size(dtype)
+        return self.expert_params() * dtype.itemsize
 
     def attention_params(self) -> int:
         """q, k, v, o projections of one layer."""
@@ -116,10 +112,10 @@ class MoEConfig:
         emb = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else emb
         params = emb + head + self.hidden_size + self.num_layers * self.layer_non_expert_params()
-        return params * _dtype_size(dtype)
+        return params * dtype.itemsize
 
     def kv_cache_bytes(self, seq_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
-        return 2 * self.num_layers * batch * self.num_kv_heads * seq_len * self.head_dim * _dtype_size(dtype)
+        return 2 * self.num_layers * batch * self.num_kv_heads * seq_len * self.head_dim * dtype.itemsize
 
     def decode_bytes_per_token(
         self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1, experts_per_layer: float | None = None
@@ -128,7 +124,7 @@ class MoEConfig:
         distinct ones per layer, if known from the routing; else top_k * batch capped at num_experts),
         attention projections, router, norms, lm_head and the KV cache of `batch` rows at length kv_len.
         The embedding row is negligible and ignored."""
-        s = _dtype_size(dtype)
+        s = dtype.itemsize
         if experts_per_layer is None:
             experts_per_layer = min(self.top_k * batch, self.num_experts)
         experts = experts_per_layer * self.num_layers * self.expert_bytes(dtype)

@@ -1,8 +1,11 @@
 """`Engine`: the user-facing API. Load a checkpoint, build the expert executor, generate.
 
-    engine = Engine.from_pretrained(path, gpu_budget_bytes=12 << 30)
+    engine = Engine.from_pretrained(path, gpu=GpuSide.cuda(12 << 30))
     out = engine.generate(ids, max_new_tokens=64, beam_width=4)
     out.tokens, out.sequences_scores, out.stats
+
+The engine talks to its executor only through fiddler.executors.ExpertExecutor; a policy plugs in as an
+`executor` factory (fiddler.executors.ExecutorFactory).
 """
 
 from __future__ import annotations
@@ -16,28 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from .config import MoEConfig
+from .executors import BuildContext, ExecutorFactory, ExpertExecutor, FiddlerPolicy
 from .generate import GenerationOutput, generate
-from .model import LocalExperts, MoETransformer, _kernels
+from .gpu_side import GpuSide
+from .kernel_loader import load_kernels
+from .model import MoETransformer
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_BATCH = 4
-
-
-def build_local_executor(config: MoEConfig, experts, *, device, **_ignored) -> LocalExperts:
-    """Reference executor factory with build_executor's signature: all experts on `device`, no placement."""
-    return LocalExperts(experts, device, experts[0][0].w1.dtype)
-
-
-def default_executor_factory() -> Callable:
-    """fiddler.executor.build_executor (CPU/GPU orchestration) when present, else the local reference."""
-    try:
-        from .executor import build_executor
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.executor":
-            raise
-        return build_local_executor
-    return build_executor
 
 
 # ---------------------------------------------------------------------------- memory bandwidth
@@ -69,8 +59,8 @@ def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(16, 32, 64, 128, 
     thread here): the machine may be shared, and wall time of a multi-threaded call then measures the
     scheduler; while the kernel is active torch keeps one thread anyway (see Engine). At most `floor`
     tokens (decode, beams) the kernel is always used: that is the memory-bound GEMV regime where torch's
-    bf16 path streams at ~40% of the limit."""
-    k = _kernels()
+    bf16 path is far from the limit."""
+    k = load_kernels()
     if k is None:
         return 0
     packed = k.PackedLinear(weight)
@@ -94,14 +84,39 @@ def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(16, 32, 64, 128, 
     return best_n if best_n < candidates[-1] else 1 << 30
 
 
+def set_cpu_threads(n: int) -> None:
+    """Threads of torch (process-wide) and of the CPU kernel's pool."""
+    torch.set_num_threads(n)
+    k = load_kernels()
+    if k is not None:
+        k.set_num_threads(n)
+
+
+def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | None:
+    """Bind the executor to the model (its hook may read routers or replace projections), then settle the
+    CPU linears: up to which token count the packed kernel serves them (measured), dropping torch's dense
+    copy where it serves every count. Returns torch's intra-op thread count while generating (None:
+    unchanged).
+
+    While the packed kernel runs the CPU linears (and the executor's CPU experts), torch keeps one intra-op
+    thread: libgomp's workers spin for milliseconds after each parallel region, and two spinning pools on
+    the same cores slow decode several-fold. torch then only runs small ops."""
+    kernel_linears = any(l.packed is not None for l in model.linears())
+    max_tokens = choose_kernel_max_tokens(model.layers[0].qkv_proj.weight) if kernel_linears else None
+    executor.bind_model(model)
+    if max_tokens is not None:
+        model.set_kernel_max_tokens(max_tokens)
+    return 1 if kernel_linears else None
+
+
 class Engine:
-    def __init__(self, config: MoEConfig, model: MoETransformer, executor, *, dtype, device, seed: int, info: dict):
+    def __init__(self, config: MoEConfig, model: MoETransformer, executor: ExpertExecutor, *, dtype, gpu: GpuSide,
+                 seed: int, info: dict, torch_threads: int | None = None):
         self.config, self.model, self.executor = config, model, executor
-        self.dtype, self.device = dtype, device
-        self._seed = seed
-        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self.dtype, self.gpu, self.device = dtype, gpu, gpu.device
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._info = info
-        self._torch_threads: int | None = None  # torch intra-op threads while generating (None: unchanged)
+        self._torch_threads = torch_threads  # torch intra-op threads while generating (None: unchanged)
 
     @classmethod
     def from_pretrained(
@@ -109,82 +124,52 @@ class Engine:
         path: str | Path,
         *,
         dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device | None = None,
-        gpu_budget_bytes: int | None = None,
-        placement: str = "popularity",
-        popularity=None,
-        planner: str = "makespan",
-        latency_model=None,
+        gpu: GpuSide | None = None,
+        executor: ExecutorFactory | None = None,
         cpu_threads: int | None = None,
         max_seq_len: int | None = None,
         max_batch: int | None = None,
         seed: int = 0,
-        executor_factory: Callable | None = None,
         measure_bandwidth: bool = True,
     ) -> "Engine":
         """Load an HF Mixtral checkpoint (original per-expert safetensors layout, sharded or not).
 
-        dtype: model dtype (bf16; fp32 for exactness checks). device: where non-expert weights, the KV
-        cache and resident experts live (default: CUDA if present, else the CPU). gpu_budget_bytes: GPU
-        memory the engine may use (default on CUDA: 90% of free memory; None on a CPU device = no GPU,
-        every expert runs on the CPU path; on a CPU device a budget emulates a GPU with the CPU).
-        placement / popularity / planner / latency_model / seed: passed to the executor
-        (fiddler.executor.build_executor). cpu_threads: threads for the CPU kernel and torch (default:
-        all cores; note torch.set_num_threads is process-wide). max_seq_len / max_batch: KV-cache size
-        (default min(context, 4096) positions x 4 rows; beam_width <= max_batch). executor_factory: a
-        callable with build_executor's signature (tests use build_local_executor). measure_bandwidth:
-        probe host memory bandwidth once per process for the decode bound in generate()'s stats."""
+        dtype: model dtype (bf16; fp32 for exactness checks). gpu: where the GPU side is and its budget
+        (default GpuSide.default(): CUDA with 90% of its free memory if present, else no GPU); non-expert
+        weights, the KV cache and resident experts live on its device. executor: the expert executor's
+        factory (default FiddlerPolicy(): Fiddler's orchestration; fiddler.executors.local_executor is the
+        reference). cpu_threads: threads for the CPU kernel and torch (default: all cores; note
+        torch.set_num_threads is process-wide). max_seq_len / max_batch: KV-cache size (default
+        min(context, 4096) positions x 4 rows; beam_width <= max_batch). seed: placement and sampling.
+        measure_bandwidth: probe host memory bandwidth once per process for the decode bound in
+        generate()'s stats."""
         t_load = time.perf_counter()
         cfg = MoEConfig.from_pretrained(path)
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and gpu_budget_bytes is None:
-            gpu_budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9)
+        gpu = gpu if gpu is not None else GpuSide.default()
         max_seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         max_batch = max_batch or DEFAULT_MAX_BATCH
         if cpu_threads is not None:
-            torch.set_num_threads(cpu_threads)
-            k = _kernels()
-            if k is not None:
-                k.set_num_threads(cpu_threads)
-
-        weights = load_weights(path, cfg, dtype=dtype, device=device)
-        factory = executor_factory or default_executor_factory()
-        executor = factory(
-            cfg,
-            weights.experts,
-            device=device,
-            gpu_budget_bytes=gpu_budget_bytes,
-            max_seq_len=max_seq_len,
-            max_batch=max_batch,
-            placement=placement,
-            popularity=popularity,
-            planner=planner,
-            latency_model=latency_model,
-            cpu_threads=cpu_threads,
-            seed=seed,
-            take_ownership=True,  # the executor may free host copies expert by expert (factories may ignore it)
-        )
-        model = MoETransformer(cfg, weights, executor, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, device=device)
+            set_cpu_threads(cpu_threads)
+        weights = load_weights(path, cfg, dtype=dtype, device=gpu.device)
+        ctx = BuildContext(cfg, dtype, gpu, max_seq_len=max_seq_len, max_batch=max_batch, cpu_threads=cpu_threads,
+                           seed=seed)
+        ex = (executor or FiddlerPolicy())(ctx, weights.experts)
+        model = MoETransformer(cfg, weights, ex, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype,
+                               device=gpu.device)
         weights.experts = []  # the executor owns them now
-        kernel_linears = any(l.packed is not None for l in model.linears())
-        # While the packed kernel runs the CPU linears (and the executor's CPU experts), torch keeps one
-        # intra-op thread: libgomp's workers spin for milliseconds after each parallel region, and two
-        # spinning pools on the same cores slowed decode 3x here. torch then only runs small ops.
-        torch_threads_in_run = 1 if kernel_linears else None
-        if kernel_linears:
-            model.set_kernel_max_tokens(choose_kernel_max_tokens(model.layers[0][1].weight))
-        k = _kernels()
+        torch_threads_in_run = finalise_linears(model, ex)
+        k = load_kernels()
+        kernel_linears = torch_threads_in_run is not None
         info = {
             "path": str(path),
-            "device": str(device),
+            "device": str(gpu.device),
             "dtype": str(dtype).replace("torch.", ""),
             "model": {k_: v for k_, v in vars(cfg).items()},
             "max_seq_len": max_seq_len,
             "max_batch": max_batch,
-            "gpu_budget_bytes": gpu_budget_bytes,
-            "executor": type(executor).__module__ + "." + type(executor).__name__,
-            "placement": placement,
-            "planner": planner,
+            "gpu_side": gpu.kind,
+            "gpu_budget_bytes": gpu.budget_bytes,
+            "executor": type(ex).__module__ + "." + type(ex).__name__,
             "kernel_isa": k.isa() if k is not None else None,
             "kernel_stream": k.stream() if k is not None else None,
             "kernel_linears": kernel_linears,
@@ -192,11 +177,9 @@ class Engine:
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),
             "load_s": time.perf_counter() - t_load,
         }
-        if measure_bandwidth and device.type == "cpu":
+        if measure_bandwidth and gpu.device.type == "cpu":
             info["memory_bandwidth"] = measure_memory_bandwidth()
-        engine = cls(cfg, model, executor, dtype=dtype, device=device, seed=seed, info=info)
-        engine._torch_threads = torch_threads_in_run
-        return engine
+        return cls(cfg, model, ex, dtype=dtype, gpu=gpu, seed=seed, info=info, torch_threads=torch_threads_in_run)
 
     # ------------------------------------------------------------------ API
 
@@ -229,8 +212,7 @@ class Engine:
         Sampling is seeded by `seed`, or by the engine's seed stream when None."""
         prompt = self._prompt(input_ids)
         gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-        if hasattr(self.executor, "reset_stats"):
-            self.executor.reset_stats()
+        self.executor.reset_stats()
         self.model.multi_row_expert_loads = self.model.multi_row_layer_steps = 0
         with torch_threads(self._torch_threads):
             out = generate(
@@ -256,7 +238,7 @@ class Engine:
         st["new_tokens"] = int(out.tokens.shape[0])
         st["decode_s"] = sum(lat)
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
-        st["executor"] = _plain(getattr(self.executor, "stats", {}))
+        st["executor"] = _plain(self.executor.stats.to_dict())
         if lat and "memory_bandwidth" in self._info:
             # Bytes a decode step must read, averaged over the steps actually run (the KV cache grows);
             # with beams, the experts the beams actually used (they share most of them).
@@ -281,18 +263,13 @@ class Engine:
             return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
 
     def info(self) -> dict:
-        d = dict(self._info)
-        for name in ("info", "summary"):
-            fn = getattr(self.executor, name, None)
-            if callable(fn):
-                d["executor_info"] = _plain(fn())
-                break
-        return d
+        """Plain facts about the engine and its executor (executor_info)."""
+        return {**self._info, "executor_info": _plain(self.executor.info())}
 
 
 def _plain(x):
     """Stats as plain Python (JSON-able) values."""
-    if isinstance(x, dict) or hasattr(x, "items"):
+    if isinstance(x, dict):
         return {str(k): _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]

@@ -1,7 +1,7 @@
 """Facts about the machine we run on: CPU model, cores, ISA flags, RAM, CUDA GPU.
 
-Used by the engine (thread counts, kernel dispatch), by the harness's `environment=local`
-and by every benchmark record. Only the standard library, psutil and torch.
+Used by the engine (thread counts, kernel dispatch) and by the harness (`environment=local`, the host
+facts of its records). Only the standard library, psutil and torch.
 """
 from __future__ import annotations
 
@@ -84,20 +84,3 @@ def cuda_device() -> dict[str, Any] | None:
                 "capability": f"{props.major}.{props.minor}"}
     except Exception:
         return None
-
-
-def host_facts() -> dict[str, Any]:
-    """Everything a benchmark record states about the host."""
-    flags = cpu_flags()
-    interesting = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-    return {
-        "cpu_name": cpu_name(),
-        "cpu_cores": cpu_cores(),
-        "cpu_isa": cpu_isa(flags),
-        "cpu_amx_bf16": has_amx_bf16(flags),
-        "cpu_flags": interesting,
-        "host_memory_gb": round(host_memory_gb(), 2),
-        "gpu": cuda_device(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }

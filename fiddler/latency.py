@@ -8,7 +8,8 @@
 
 Two ways to get one: `calibrate` times the executor's real code paths (fitting the curves to raw samples,
 which are kept for the record), or `LatencyModel.from_hardware_spec` derives the same parameters from
-an environment description (bandwidths, TFLOP/s, cores, ISA, efficiency factors) for the simulator.
+a HardwareSpec (bandwidths, TFLOP/s, cores, ISA, efficiency factors) for the simulator; the harness
+builds that from its environment config (runners/hardware_spec.py).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class LatencyModel:
     def from_hardware_spec(cls, spec: HardwareSpec, config, dtype: torch.dtype = torch.bfloat16,
                            cpu_threads: int | None = None) -> LatencyModel:
         """Costs of one expert of `config` on the machine `spec` describes (no measurement)."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         wbytes = config.expert_bytes(dtype)
         flops_tok = 2 * 3 * config.hidden_size * config.intermediate_size
         act_bytes_tok = config.hidden_size * size  # one row each way for a CPU expert
@@ -120,32 +121,6 @@ class HardwareSpec:
         if self.cpu_isa not in _FLOPS_PER_CYCLE:
             raise ValueError(f"unknown cpu_isa {self.cpu_isa!r}; known: {sorted(_FLOPS_PER_CYCLE)}")
         return _FLOPS_PER_CYCLE[self.cpu_isa]
-
-    @classmethod
-    def from_environment(cls, env, **overrides) -> HardwareSpec:
-        """From an environment description shaped like conf/environment/*.yaml (gpu.*, pcie.*, cpu.*),
-        given as nested dicts or attribute objects (e.g. the runner's structured config)."""
-        def get(obj, path, default=None):
-            for key in path.split("."):
-                if obj is None:
-                    return default
-                obj = obj.get(key, None) if isinstance(obj, dict) else getattr(obj, key, None)
-            return default if obj is None else obj
-
-        isa = get(env, "cpu.isa", "avx512_bf16")
-        isa = getattr(isa, "value", isa)  # Enum from a structured config
-        kw = dict(
-            gpu_mem_bandwidth_gbps=float(get(env, "gpu.mem_bandwidth_gbps", 0.0)),
-            gpu_bf16_tflops=float(get(env, "gpu.bf16_tflops", 0.0)),
-            pcie_h2d_gbps=float(get(env, "pcie.h2d_gbps", 0.0)),
-            pcie_d2h_gbps=float(get(env, "pcie.d2h_gbps", 0.0)),
-            cpu_mem_bandwidth_gbps=float(get(env, "cpu.mem_bandwidth_gbps")),
-            cpu_cores=int(get(env, "cpu.cores")),
-            cpu_threads=get(env, "cpu.threads"),
-            cpu_isa=str(isa),
-        )
-        kw.update(overrides)
-        return cls(**kw)
 
 
 # ---------------------------------------------------------------- fitting

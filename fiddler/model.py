@@ -3,49 +3,34 @@
 Op order and dtypes follow transformers' modeling_mixtral.py (5.24) so that fp32 results agree to
 rounding and bf16 results to bf16 noise: RMSNorm in fp32 then cast back, rope tables built in fp32
 and cast to the model dtype, router softmax in fp32, top-k renormalised. Expert FFNs are not computed
-here: the MoE block hands (tokens, top-k ids, top-k weights) to an executor, which decides where each
-expert runs (the Fiddler part). `LocalExperts` is the plain reference executor.
+here: the MoE block hands (tokens, top-k ids, top-k weights) to an executor (fiddler.executors), which
+decides where each expert runs (the Fiddler part).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .config import MoEConfig
-from .weights import ExpertWeights, ModelWeights
-
-
-def _decode_kernels():
-    """fiddler.kernels.decode if the compiled library has the fused decode ops, else None."""
-    try:
-        from .kernels import decode
-    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
-        return None
-    return decode if decode.is_available() else None
-
-
-def _kernels():
-    """fiddler.kernels if its compiled library loaded, else None."""
-    try:
-        from . import kernels
-    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
-        return None
-    if not hasattr(kernels, "is_available") or not kernels.is_available():
-        return None
-    return kernels
+from .executors.contract import ExpertExecutor
+from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
+from .weights import ModelWeights
 
 
 class Linear:
-    """y = x @ w.T. On the CPU in bf16 it uses the packed AVX512-BF16 kernel (torch's bf16 GEMV streams
-    at ~40% of the memory limit); otherwise, and for token counts above `kernel_max_tokens` where
-    oneDNN/AMX matmul may win (decided by measurement, see `choose_kernel_max_tokens`), torch."""
+    """y = x @ w.T. On the CPU in bf16 it uses the packed AVX512-BF16 kernel (torch's bf16 GEMV is far from
+    the memory limit); otherwise, and for token counts above `kernel_max_tokens` where oneDNN/AMX matmul
+    may win (decided by measurement, see `choose_kernel_max_tokens`), torch. `weight` is None once the
+    kernel serves every token count (the engine drops torch's copy)."""
 
     kernel_max_tokens: int = 1 << 30  # default; the Engine sets it per model from a measurement
 
     def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None):
-        self.weight = weight
-        k = _kernels()
+        self.weight: torch.Tensor | None = weight
+        k = load_kernels()
         if use_kernel is None:
             use_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.packed = k.PackedLinear(weight) if (use_kernel and k is not None) else None
@@ -75,7 +60,7 @@ def rope_tables(cfg: MoEConfig, max_seq: int, dtype: torch.dtype, device) -> tup
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -88,63 +73,18 @@ def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.T
     return idx, w.to(dtype)
 
 
-class LocalExperts:
-    """Reference executor: every expert on one device via torch (or the packed CPU kernel for bf16 on
-    the CPU). Same `forward` contract as fiddler.executor.MoEExecutor."""
+@dataclass
+class DecoderLayer:
+    """The non-expert parts of one decoder layer (its experts belong to the executor)."""
 
-    def __init__(self, experts: list[list[ExpertWeights]], device, dtype: torch.dtype, use_kernel: bool | None = None):
-        device = torch.device(device)
-        k = _kernels()
-        if use_kernel is None:
-            use_kernel = device.type == "cpu" and dtype == torch.bfloat16
-        self.packed = None
-        if use_kernel and k is not None:
-            self.packed = [[k.PackedExpert(e.w1, e.w3, e.w2) for e in layer] for layer in experts]
-            self.experts = None
-        else:
-            self.experts = [
-                [ExpertWeights(*(w.to(device=device, dtype=dtype) for w in (e.w1, e.w3, e.w2))) for e in layer]
-                for layer in experts
-            ]
-        self.stats: dict = {}
-        self.reset_stats()
+    input_norm: torch.Tensor  # RMSNorm weight before attention
+    qkv_proj: Linear  # fused [q; k; v] projection
+    o_proj: Linear
+    post_norm: torch.Tensor  # RMSNorm weight before the MoE block: its output is the router's input
+    router: Linear  # the gate: hidden -> one logit per expert
 
-    def reset_stats(self):
-        self.stats = {"expert_calls": 0, "expert_tokens": 0}
-
-    def _ffn(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed[layer][e].forward(x)
-        w = self.experts[layer][e]
-        return F.linear(F.silu(F.linear(x, w.w1)) * F.linear(x, w.w3), w.w2)
-
-    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        T, K = topk_idx.shape
-        if T == 1:  # decode: no gather/scatter, accumulate in fp32 like transformers' grouped_mm path
-            out = None
-            ids = topk_idx[0].tolist()
-            for k, e in enumerate(ids):
-                y = self._ffn(layer, e, x) * topk_w[0, k].float()
-                out = y if out is None else out + y
-            self.stats["expert_calls"] += K
-            self.stats["expert_tokens"] += K
-            return out.to(x.dtype)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat = topk_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.packed or self.experts[layer])).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start : start + n]
-            start += n
-            tok, kk = sel // K, sel % K
-            y = self._ffn(layer, e, x[tok].contiguous()).float() * topk_w[tok, kk].float()[:, None]
-            out.index_add_(0, tok, y)
-            self.stats["expert_calls"] += 1
-            self.stats["expert_tokens"] += n
-        return out.to(x.dtype)
+    def linears(self) -> list[Linear]:
+        return [self.qkv_proj, self.o_proj, self.router]
 
 
 class KVCache:
@@ -183,7 +123,7 @@ class MoETransformer:
         self,
         cfg: MoEConfig,
         weights: ModelWeights,
-        executor,
+        executor: ExpertExecutor,
         *,
         max_batch: int,
         max_seq_len: int,
@@ -198,19 +138,17 @@ class MoETransformer:
         self.lm_head = Linear(weights.lm_head, use_kernel=use_kernel)
         # q, k and v share their input: one fused [q; k; v] projection is one kernel call (one thread-pool
         # wake-up) instead of three; each output row is the same dot product as before.
-        self.layers = []
+        self.layers: list[DecoderLayer] = []
         for l in weights.layers:
             qkv = torch.cat([l.q, l.k, l.v])
             l.q = l.k = l.v = None  # the fused copy replaces them
-            self.layers.append(
-                (
-                    l.input_norm,
-                    Linear(qkv, use_kernel=use_kernel),
-                    Linear(l.o, use_kernel=use_kernel),
-                    l.post_norm,
-                    Linear(l.gate, use_kernel=use_kernel),
-                )
-            )
+            self.layers.append(DecoderLayer(
+                input_norm=l.input_norm,
+                qkv_proj=Linear(qkv, use_kernel=use_kernel),
+                o_proj=Linear(l.o, use_kernel=use_kernel),
+                post_norm=l.post_norm,
+                router=Linear(l.gate, use_kernel=use_kernel),
+            ))
         self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device)
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
@@ -231,14 +169,10 @@ class MoETransformer:
             return None, f"needs bf16 on the CPU (model is {self.dtype} on {self.device})"
         if use_kernel is False:
             return None, "use_kernel=False"
-        kd = _decode_kernels()
+        kd = load_decode_kernels()
         if kd is None:
-            try:
-                from .kernels import decode as kd_err
-                return None, kd_err.load_error()
-            except Exception as e:  # noqa: BLE001
-                return None, f"fiddler.kernels.decode did not import: {e}"
-        norms = [self.norm] + [w for layer in self.layers for w in (layer[0], layer[3])]
+            return None, decode_kernels_error()
+        norms = [self.norm] + [w for layer in self.layers for w in (layer.input_norm, layer.post_norm)]
         if any(w.dtype != torch.bfloat16 or w.dim() != 1 or not w.is_contiguous() for w in norms):
             return None, "norm weights are not contiguous 1-D bf16"
         try:
@@ -260,7 +194,7 @@ class MoETransformer:
         return b
 
     def linears(self) -> list[Linear]:
-        return [self.lm_head] + [m for layer in self.layers for m in layer if isinstance(m, Linear)]
+        return [self.lm_head] + [m for layer in self.layers for m in layer.linears()]
 
     def set_kernel_max_tokens(self, n: int):
         for lin in self.linears():
@@ -276,8 +210,8 @@ class MoETransformer:
         k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
         v = qkv[:, :, nh + nkv :].transpose(1, 2)
         cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         kc, vc = self.cache.k[i, :B], self.cache.v[i, :B]
         kc[:, :, pos : pos + T] = k
         vc[:, :, pos : pos + T] = v
@@ -300,18 +234,17 @@ class MoETransformer:
         o = o.reshape(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)
         return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype))
 
-    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, gate, count_rows: bool, after_moe) -> torch.Tensor:
-        """x + MoE(h) for layer i: route with the gate, hand the experts to the executor, then the
-        optional executor hook that sees the residual stream after each MoE layer (e.g. to guess and
-        prefetch the next layer's experts with its router, as Mixtral-Offloading does)."""
+    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, router: Linear, count_rows: bool) -> torch.Tensor:
+        """x + MoE(h) for layer i: route, hand the experts to the executor, then the executor's hook that
+        sees the residual stream after each MoE layer (e.g. to guess and prefetch the next layer's experts
+        with its router, as Mixtral-Offloading does)."""
         cfg = self.cfg
-        idx, w = route(gate(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
+        idx, w = route(router(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
         if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
             self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
             self.multi_row_layer_steps += 1
         x = x + self.executor.forward(i, h, idx, w)
-        if after_moe is not None:
-            after_moe(i, x)
+        self.executor.after_moe(i, x)
         return x
 
     def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
@@ -326,10 +259,10 @@ class MoETransformer:
         buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
-        after_moe = getattr(self.executor, "after_moe", None)
-        for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
-            x = x + o(attend(i, qkv(norm(x, n1, eps, out=buf_n1), out=buf_qkv), pos, buf_att), out=buf_o)
-            x = self._moe(i, x, norm(x, n2, eps, out=buf_n2), gate, B > 1, after_moe)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv_proj(norm(x, layer.input_norm, eps, out=buf_n1), out=buf_qkv)
+            x = x + layer.o_proj(attend(i, qkv, pos, buf_att), out=buf_o)
+            x = self._moe(i, x, norm(x, layer.post_norm, eps, out=buf_n2), layer.router, B > 1)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
         if all_logits:
             return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)
@@ -349,10 +282,10 @@ class MoETransformer:
             return self._decode_step(tokens, start_pos, all_logits)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H]
-        after_moe = getattr(self.executor, "after_moe", None)
-        for i, (n1, qkv, o, n2, gate) in enumerate(self.layers):
-            x = x + self._attention(i, rms_norm(x, n1, eps), B, T, start_pos, qkv, o)
-            x = self._moe(i, x, rms_norm(x, n2, eps), gate, T == 1 and B > 1, after_moe)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, rms_norm(x, layer.input_norm, eps), B, T, start_pos, layer.qkv_proj,
+                                    layer.o_proj)
+            x = self._moe(i, x, rms_norm(x, layer.post_norm, eps), layer.router, T == 1 and B > 1)
         if all_logits:
             return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
         x = x.view(B, T, -1)[:, -1].contiguous()

@@ -20,24 +20,20 @@ import torch
 from .popularity import Popularity
 
 # The executor double-buffers copied-in experts: one buffer is computed on while the next expert is
-# copied into the other (fiddler/executor.py uses exactly this many).
+# copied into the other (fiddler/executors/orchestrator.py uses exactly this many).
 COPY_BUFFERS = 2
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
     """Peak transient GPU memory of one forward pass over max_batch x max_seq_len tokens (a full prefill).
 
-    Counts the tensors fiddler/model.py and fiddler/executor.py create: the residual stream and its
+    Counts the tensors fiddler/model.py and fiddler/executors/ create: the residual stream and its
     normed copy; attention q/k/v/output and the boolean mask of the masked SDPA path (SDPA's fused
     kernels do not materialise scores); the MoE block's per-slot outputs, gathered rows, the largest
     expert's intermediates (all T tokens may route to one expert), CPU results copied back, routing
     indices; and fp32 logits of the last position. Attention and MoE are not live at the same time.
     """
-    s = _size(dtype)
+    s = dtype.itemsize
     T = max_seq_len * max_batch
     H, F, K = config.hidden_size, config.intermediate_size, config.top_k
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim

@@ -96,11 +96,17 @@ def _need(lm, name):
         raise ValueError(f"planner {name!r} needs a latency model")
 
 
+def paper_rule(n: int, lm) -> str:
+    """The Fiddler paper's choice for a non-resident expert with n tokens: copy it in (b) when the copy
+    plus the GPU run is faster than the CPU run, else run it on the CPU (c)."""
+    return COPY if lm.transfer() + lm.gpu(n) < lm.cpu(n) else CPU
+
+
 def plan_paper(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerPlan:
     _need(lm, "paper")
     dec, free = _base(counts, resident)
     for e in free:
-        dec[e] = COPY if lm.transfer() + lm.gpu(counts[e]) < lm.cpu(counts[e]) else CPU
+        dec[e] = paper_rule(counts[e], lm)
     return _plan(counts, dec, lm)
 
 
@@ -162,7 +168,7 @@ def plan_makespan(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerP
     on_gpu = search(free, p, q, 0.0, gpu0)
     # Recompute with predict() and keep all-CPU, all-GPU and the paper's rule as candidates, so rounding
     # in the search (vectorised sums add in another order) can never make the answer worse than them.
-    paper = [CPU if lm.transfer() + lm.gpu(counts[e]) >= lm.cpu(counts[e]) else COPY for e in free]
+    paper = [paper_rule(counts[e], lm) for e in free]
     plans = []
     for choice in ([COPY if g else CPU for g in on_gpu], [CPU] * len(free), [COPY] * len(free), paper):
         for e, d in zip(free, choice):

@@ -14,7 +14,8 @@ import signal
 import time
 from typing import Any, Callable, Iterator
 
-from runners.session import Job, Session, base_record, classify_failure, one_line
+from baselines.base import one_line
+from runners.session import Job, Session, base_record, classify_failure
 
 _CTX = mp.get_context("spawn")  # a fresh interpreter: no state (threads, CUDA, allocator) inherited
 

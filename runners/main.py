@@ -55,7 +55,7 @@ def resolve_model_path(conf: Config) -> str:
     if not model.synthetic:
         raise ConfigError(f"model={model.name} needs model.path=<local Hugging Face checkpoint> to execute "
                           f"(or mode=simulate, which needs no weights)")
-    from fiddler.synthetic import ensure_synthetic_model
+    from runners.synthetic import ensure_synthetic_model
 
     return str(ensure_synthetic_model(model.name, dict(model.arch), model.seed,
                                       Path(conf.cache_dir).expanduser() / "models", dtype=model.dtype.value))
@@ -110,7 +110,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         else:
             os.environ.update(process_env)
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
-              isolation=isolation.value, process_env=process_env)
+              isolation=isolation.value, process_env=process_env, system_config=conf.system)
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
     try:

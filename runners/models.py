@@ -25,7 +25,7 @@ def preset(name: str) -> tuple[dict, int, str]:
 
 def synthetic_model(name: str, cache_root=None, progress: bool = False) -> Path:
     """The preset's checkpoint directory, generated on first use (same cache as the harness)."""
-    from fiddler.synthetic import default_cache_root, ensure_synthetic_model
+    from runners.synthetic import default_cache_root, ensure_synthetic_model
 
     arch, seed, dtype = preset(name)
     return ensure_synthetic_model(name, arch, seed, cache_root or default_cache_root(), dtype=dtype,

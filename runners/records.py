@@ -167,3 +167,18 @@ def ok_records_by_hash(index_path: Path) -> dict[str, dict[str, Any]]:
     """The latest `ok` record of every config hash in the index (for resume)."""
     return {rec["config_hash"]: rec for rec in read_jsonl(index_path)
             if rec.get("status") == "ok" and rec.get("config_hash")}
+
+
+def collect(paths) -> list[dict[str, Any]]:
+    """Records of JSONL files (records.jsonl, the project index) and of directories holding them
+    (every records.jsonl below, in path order)."""
+    recs: list[dict[str, Any]] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            for f in sorted(p.rglob("records.jsonl")):
+                recs.extend(read_jsonl(f))
+        elif p.is_file():
+            recs.extend(read_jsonl(p))
+        else:
+            raise FileNotFoundError(f"no such file or directory: {p}")
+    return recs

@@ -13,18 +13,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message starts with the offending key."""
-
-
-def _check(ok: Any, key: str, value: Any, allowed: str) -> None:
-    """Raise ConfigError unless `ok`; `ok` is a callable so that unset (MISSING) values are skipped
-    (OmegaConf builds schema defaults before values are filled in)."""
-    if value is MISSING or (isinstance(value, list) and MISSING in value):
-        return
-    if not ok():
-        raise ConfigError(f"{key}={value!r} is invalid; allowed: {allowed}")
+from baselines.base import ConfigError, SystemConfig
+from baselines.base import check as _check
 
 
 def _check_list(values: List[int], key: str, minimum: int) -> None:
@@ -133,142 +123,28 @@ class ModelConfig:
 
 
 # ---------------------------------------------------------------- systems
-@dataclass
-class SystemConfig:
-    name: str = MISSING
-    adapter: str = MISSING  # "package.module:ClassName", imported lazily
+# Each system's options are one typed class beside its adapter (baselines/<name>/config.py, a
+# baselines.base.SystemConfig subclass); register() stores every one under its schema_name.
 
 
-class ExpertsImpl(Enum):
-    auto = "auto"
-    grouped_mm = "grouped_mm"
-    batched_mm = "batched_mm"
-    eager = "eager"
+def system_configs() -> dict[str, type[SystemConfig]]:
+    """Every baselines/<name>/config.py's SystemConfig subclass, by schema name."""
+    import importlib
+    import importlib.util
+    import inspect
+    import pkgutil
 
+    import baselines
 
-@dataclass
-class HFTransformersConfig(SystemConfig):
-    # transformers' MoE experts implementation; auto = the fastest measured on this CPU (grouped_mm)
-    experts_implementation: ExpertsImpl = ExpertsImpl.auto
-
-
-class Planner(Enum):
-    paper = "paper"
-    makespan = "makespan"
-
-
-class Placement(Enum):
-    popularity = "popularity"
-    random = "random"
-
-
-@dataclass
-class EngineSystemConfig(SystemConfig):
-    """Options of every system that runs inside fiddler's engine (fiddler, mixtral_offloading)."""
-
-    cpu_threads: Optional[int] = None  # None = environment.cpu.threads
-    gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
-
-    def __post_init__(self) -> None:
-        if self.cpu_threads is not None:
-            _check(lambda: self.cpu_threads >= 1, "system.cpu_threads", self.cpu_threads, "null or an integer >= 1")
-        if self.gpu_budget_gb is not None:
-            _check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
-
-
-@dataclass
-class FiddlerConfig(EngineSystemConfig):
-    planner: Planner = Planner.makespan
-    placement: Placement = Placement.popularity
-    popularity_profile: Optional[str] = None  # JSON profile; None = uniform
-
-
-_LLAMA_QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m",
-                 "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
-
-
-_LLAMA_KV_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0")
-
-
-class OnOffAuto(Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
-
-
-@dataclass
-class LlamaCppConfig(SystemConfig):
-    quant: str = "bf16"  # GGUF type: converter types f32/f16/bf16/q8_0 or llama.cpp's quantizer types
-    n_gpu_layers: int = 0  # -ngl; -1 = all
-    n_cpu_moe: int = 0  # --n-cpu-moe: expert FFNs of the first N layers stay in host memory
-    n_ctx: Optional[int] = None  # None = derived from the request
-    n_batch: int = 512
-    flash_attn: OnOffAuto = OnOffAuto.auto
-    threads: Optional[int] = None  # None = environment.cpu.threads
-    converter_dir: Optional[str] = None  # llama.cpp source tree with convert_hf_to_gguf.py
-    verbose: bool = False
-    kv_cache_type: str = "f16"  # llama.cpp's default; also bf16, f32, q8_0, q4_0
-
-    def __post_init__(self) -> None:
-        _check(lambda: self.quant in _LLAMA_QUANTS, "system.quant", self.quant, ", ".join(_LLAMA_QUANTS))
-        _check(lambda: self.n_gpu_layers >= -1, "system.n_gpu_layers", self.n_gpu_layers, "-1 (all) or >= 0")
-        _check(lambda: self.n_cpu_moe >= 0, "system.n_cpu_moe", self.n_cpu_moe, "an integer >= 0")
-        _check(lambda: self.n_batch >= 1, "system.n_batch", self.n_batch, "an integer >= 1")
-        if self.threads is not None:
-            _check(lambda: self.threads >= 1, "system.threads", self.threads, "null or an integer >= 1")
-        _check(lambda: self.kv_cache_type in _LLAMA_KV_TYPES, "system.kv_cache_type", self.kv_cache_type,
-               ", ".join(_LLAMA_KV_TYPES))
-
-
-class PrefetchInput(Enum):
-    residual = "residual"  # hidden state after the layer's MoE output is added
-    moe_input = "moe_input"  # the layer's (normed) expert input
-
-
-@dataclass
-class MixtralOffloadingConfig(EngineSystemConfig):
-    cache_size: Optional[int] = None  # experts per layer on the GPU; None = derived from the GPU budget
-    default_cache_size: int = 2  # when cache_size is None and there is no GPU budget
-    prefetch: bool = True
-    prefetch_k: Optional[int] = None  # None = the model's top_k
-    prefetch_input: PrefetchInput = PrefetchInput.residual
-    quantize: bool = False  # HQQ: attention 4-bit g64, experts 2-bit g16 (needs the hqq package)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("cache_size", "prefetch_k"):
-            v = getattr(self, key)
-            if v is not None:
-                _check(lambda: v >= 1, f"system.{key}", v, "null or an integer >= 1")
-        _check(lambda: self.default_cache_size >= 1, "system.default_cache_size", self.default_cache_size,
-               "an integer >= 1")
-
-
-class DeepSpeedEngine(Enum):
-    zero_offload = "zero_offload"  # ZeRO-Inference: ZeRO-3 with parameters offloaded (the paper's baseline)
-    mii = "mii"  # DeepSpeed-MII FastGen (CUDA only)
-
-
-class OffloadDevice(Enum):
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-@dataclass
-class DeepSpeedConfig(SystemConfig):
-    engine: DeepSpeedEngine = DeepSpeedEngine.zero_offload
-    offload_device: OffloadDevice = OffloadDevice.cpu
-    pin_memory: bool = True
-    nvme_path: Optional[str] = None
-    zero_overrides: Dict[str, Any] = field(default_factory=dict)
-    tensor_parallel: int = 1
-    max_length: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        _check(lambda: self.tensor_parallel == 1, "system.tensor_parallel", self.tensor_parallel,
-               "1 (the harness runs one process)")
-        if self.max_length is not None:
-            _check(lambda: self.max_length >= 1, "system.max_length", self.max_length, "null or an integer >= 1")
+    found: dict[str, type[SystemConfig]] = {}
+    for pkg in pkgutil.iter_modules(baselines.__path__):
+        if not pkg.ispkg or importlib.util.find_spec(f"baselines.{pkg.name}.config") is None:
+            continue
+        module = importlib.import_module(f"baselines.{pkg.name}.config")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, SystemConfig) and cls.__module__ == module.__name__ and cls.schema_name:
+                found[cls.schema_name] = cls
+    return found
 
 
 # ---------------------------------------------------------------- run control
@@ -304,26 +180,11 @@ class RunConfig:
 class Config:
     environment: EnvironmentConfig = MISSING
     workload: WorkloadConfig = MISSING
-    system: Any = MISSING  # one of the SystemConfig subclasses (chosen by the group's yaml)
+    system: Any = MISSING  # the system's SystemConfig subclass (chosen by the group's yaml)
     model: ModelConfig = MISSING
     mode: Mode = Mode.execute
     run: RunConfig = field(default_factory=RunConfig)
     cache_dir: str = "${oc.env:FIDDLER_CACHE,${oc.env:HOME}/.cache/fiddler}"
-
-
-SYSTEM_SCHEMAS: dict[str, type] = {
-    "hf_transformers_schema": HFTransformersConfig,
-    "fiddler_schema": FiddlerConfig,
-    "llama_cpp_schema": LlamaCppConfig,
-    "deepspeed_mii_schema": DeepSpeedConfig,
-    "mixtral_offloading_schema": MixtralOffloadingConfig,
-}
-
-
-def register_system_schema(name: str, node: type) -> None:
-    """Register a system's structured config (its yaml lists `<name>` in its defaults)."""
-    SYSTEM_SCHEMAS[name] = node
-    ConfigStore.instance().store(group="system", name=name, node=node)
 
 
 def register() -> None:
@@ -332,7 +193,7 @@ def register() -> None:
     cs.store(group="environment", name="environment_schema", node=EnvironmentConfig)
     cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
-    for name, node in SYSTEM_SCHEMAS.items():
+    for name, node in system_configs().items():
         cs.store(group="system", name=name, node=node)
 
 

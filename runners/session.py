@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemUnavailable
+from baselines.base import (GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig, SystemUnavailable,
+                            one_line)
 from runners import measure, records
 from runners.workloads import Point, prompt_for
 
@@ -28,6 +29,7 @@ class Job:
     hashes: list[str]
     isolation: str
     process_env: dict[str, str] = field(default_factory=dict)  # set before the system's process imports torch
+    system_config: SystemConfig | None = None  # the typed system options handed to the adapter
 
     @property
     def system(self) -> dict[str, Any]:
@@ -46,7 +48,6 @@ def load_adapter_class(spec: str) -> type[SystemAdapter]:
 def make_adapter(job: Job) -> SystemAdapter:
     cfg = job.config
     env = cfg["environment"]
-    options = {k: v for k, v in job.system.items() if k not in ("name", "adapter")}
     import torch
 
     ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
@@ -55,7 +56,7 @@ def make_adapter(job: Job) -> SystemAdapter:
                      max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
                      max_batch=max(p["beam_width"] for p in job.points))
     model = ModelSpec(name=cfg["model"]["name"], path=job.model_path, dtype=cfg["model"]["dtype"])
-    return load_adapter_class(job.system["adapter"])(options, model, ctx)
+    return load_adapter_class(job.system["adapter"])(job.system_config, model, ctx)
 
 
 def classify_failure(exc: BaseException) -> str:
@@ -65,11 +66,6 @@ def classify_failure(exc: BaseException) -> str:
             or "cannot allocate memory" in text:
         return "oom"
     return "error"
-
-
-def one_line(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[str, Any]:
@@ -84,7 +80,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
         budget_emulated = bool(gpu) and float(env["gpu"]["memory_gb"]) < gpu["memory_gb"] - 0.5
     except Exception:
         pass
-    from fiddler.hardware import host_facts
+    from runners.host import host_facts
 
     return {
         "schema_version": records.SCHEMA_VERSION,

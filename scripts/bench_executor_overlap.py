@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from fiddler.config import MoEConfig
-from fiddler.executor import build_executor
+from fiddler.executors import GpuSide, build_executor
 from fiddler.latency import LatencyModel
 from fiddler.weights import ExpertWeights
 
@@ -42,13 +42,13 @@ def main(argv=None) -> int:
                 for _ in range(args.experts)]]
     # half resident; non-resident experts all on the CPU, so both queues have work for any token count
     lm = LatencyModel.manual(cpu=(1e-6, 1e-5), gpu=(1e-6, 1e-5), transfer=10.0)
-    kw = dict(device="cpu", gpu_budget_bytes=1 << 40, max_seq_len=max(args.tokens), max_batch=1,
+    kw = dict(gpu=GpuSide.emulated(1 << 40), max_seq_len=max(args.tokens), max_batch=1,
               placement="fraction:0.5", planner="paper", latency_model=lm)
     exs = {"serial": build_executor(cfg, experts, overlap=False, **kw),
            "overlap": build_executor(cfg, experts, overlap=True, **kw)}
     print(f"H={args.hidden} F={args.ffn} E={args.experts} {args.dtype}; cpu path: "
-          f"{exs['serial'].info()['cpu_expert_path']}; threads serial={exs['serial'].all_threads} "
-          f"overlap cpu={exs['overlap'].cpu_threads}+gpu-side={exs['overlap'].gpu_side_threads}")
+          f"{exs['serial'].info()['cpu_expert_path']}; threads serial={exs['serial'].threads.all} "
+          f"overlap cpu={exs['overlap'].threads.cpu_queue}+gpu-side={exs['overlap'].threads.gpu_side}")
     for T in args.tokens:
         x = torch.randn(T, args.hidden, generator=g).to(dtype)
         # every token routes to one resident and one non-resident expert: both queues busy

@@ -17,7 +17,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # usable from a checkout without `pip install -e .`
 
-from fiddler.synthetic import default_cache_root, ensure_synthetic_model  # noqa: E402
+from runners.synthetic import default_cache_root, ensure_synthetic_model  # noqa: E402
 from runners.models import preset as load_preset, synthetic_presets  # noqa: E402
 
 

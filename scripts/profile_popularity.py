@@ -3,7 +3,7 @@
 
 The output is the JSON format of the Fiddler authors' Mixtral profiles
 ({"total_input_tokens": N, "expert_popularity": [[counts] x layers]}) plus provenance keys, and is
-what `Engine.from_pretrained(..., popularity=PATH)` / `placement=popularity` read.
+what `FiddlerPolicy(popularity=PATH)` / `placement=popularity` read.
 
 Examples:
   python scripts/profile_popularity.py --model DIR --synthetic 32 --prompt-len 64 --out pop.json
@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))  # usable from a checkout without `pip install -e 
 import torch
 
 from fiddler import Engine
+from fiddler.gpu_side import GpuSide
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -60,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=pathlib.Path)
     args = p.parse_args(argv)
 
-    engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], device="cpu", gpu_budget_bytes=None,
+    engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], gpu=GpuSide.none(),
                                     max_seq_len=args.max_seq_len, max_batch=1, measure_bandwidth=False)
-    if not hasattr(engine.executor, "attach_recorder"):
-        raise SystemExit(f"executor {type(engine.executor).__name__} cannot record routing")
     cfg = engine.config
     if args.synthetic is not None:
         prompts = synthetic_prompts(args.synthetic, args.prompt_len, cfg.vocab_size, args.seed)

@@ -15,20 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runners import tables  # noqa: E402
-from runners.records import read_jsonl  # noqa: E402
-
-
-def collect(paths: list[str]) -> list[dict]:
-    recs: list[dict] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            for f in sorted(p.rglob("records.jsonl")):
-                recs.extend(read_jsonl(f))
-        elif p.is_file():
-            recs.extend(read_jsonl(p))
-        else:
-            raise SystemExit(f"error: no such file or directory: {p}")
-    return recs
+from runners.records import collect  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system", nargs="*", help="only these systems")
     ap.add_argument("--status", nargs="*", help="only these statuses (default: all)")
     args = ap.parse_args(argv)
-    recs = collect(args.paths)
+    try:
+        recs = collect(args.paths)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if args.system:
         recs = [r for r in recs if r.get("system") in args.system]
     if args.status:

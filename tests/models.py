@@ -1,6 +1,6 @@
 """Small random Mixtral checkpoints for engine tests, and the transformers reference loaded from them.
 
-Checkpoints come from fiddler.synthetic (original Hub key format, cached by content hash under
+Checkpoints come from runners.synthetic (original Hub key format, cached by content hash under
 ~/.cache/fiddler/models or $FIDDLER_CACHE), stored in fp32 so that both the engine and transformers
 can load exactly the same values in fp32 or round them identically to bf16.
 """
@@ -12,7 +12,7 @@ import pathlib
 
 import torch
 
-from fiddler.synthetic import default_cache_root, ensure_synthetic_model
+from runners.synthetic import default_cache_root, ensure_synthetic_model
 
 # name -> Mixtral arch overrides. Keep them small: the whole suite must stay in ~2 minutes on 2 cores.
 ARCHS: dict[str, dict] = {

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from fiddler import Engine
 from fiddler.config import MoEConfig
-from fiddler.engine import build_local_executor
-from fiddler.model import _rotate_half, rms_norm, rope_tables
+from fiddler.executors import GpuSide, LocalExperts, local_executor
+from fiddler.model import rms_norm, rope_tables, rotate_half
 from tests.models import ARCHS, model_path, prompt
 
 kd = pytest.importorskip("fiddler.kernels.decode")
@@ -58,14 +58,15 @@ def test_rms_norm_in_place_and_batched_shape():
 
 # ------------------------------------------------------------------ rope + cache + attention
 def torch_reference(qkv, pos, cos, sin, kc, vc, nh, window):
-    """fiddler.model.MoETransformer._attention for T == 1, on one layer's cache (modified in place)."""
+    """The model's torch attention path (MoETransformer.forward with the fast path off) for T == 1, on one
+    layer's cache (modified in place)."""
     B = qkv.shape[0]
     _, nkv, _, d = kc.shape
     x = qkv.view(B, 1, nh + 2 * nkv, d)
     q, k, v = (x[:, :, a:b].transpose(1, 2) for a, b in ((0, nh), (nh, nh + nkv), (nh + nkv, nh + 2 * nkv)))
     c, s = cos[pos : pos + 1], sin[pos : pos + 1]
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
     kb, vb = kc[:B], vc[:B]
     kb[:, :, pos : pos + 1] = k
     vb[:, :, pos : pos + 1] = v
@@ -168,8 +169,8 @@ def test_input_checks():
 # ------------------------------------------------------------------ the whole model
 @functools.cache
 def engine(arch: str, executor: str) -> Engine:
-    kw = {"executor_factory": build_local_executor} if executor == "reference" else {"gpu_budget_bytes": None}
-    return Engine.from_pretrained(model_path(arch), dtype=BF16, measure_bandwidth=False, device="cpu", **kw)
+    kw = {"executor": local_executor} if executor == "reference" else {}
+    return Engine.from_pretrained(model_path(arch), dtype=BF16, measure_bandwidth=False, gpu=GpuSide.none(), **kw)
 
 
 def teacher_forced_logits(e: Engine, fast: bool, ids: torch.Tensor, feed: list[int]) -> torch.Tensor:
@@ -224,7 +225,7 @@ def test_model_sliding_window_matches_torch_path(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["sliding_window"] = 6
     (d / "config.json").write_text(json.dumps(cfg))
-    e = Engine.from_pretrained(d, dtype=BF16, measure_bandwidth=False, device="cpu", executor_factory=build_local_executor)
+    e = Engine.from_pretrained(d, dtype=BF16, measure_bandwidth=False, gpu=GpuSide.none(), executor=local_executor)
     vocab = ARCHS["e8k2"]["vocab_size"]
     ids, feed = prompt(4, vocab, seed=6), prompt(10, vocab, seed=7).tolist()  # decode runs past the window
     ref = teacher_forced_logits(e, False, ids, feed)
@@ -235,7 +236,7 @@ def test_model_sliding_window_matches_torch_path(tmp_path):
 
 
 def test_decode_fastpath_argument():
-    from fiddler.model import LocalExperts, MoETransformer
+    from fiddler.model import MoETransformer
     from fiddler.weights import load_weights
 
     path = model_path("e8k2")
@@ -243,7 +244,7 @@ def test_decode_fastpath_argument():
 
     def build(dtype, **kw):
         w = load_weights(path, cfg, dtype=dtype, device="cpu")
-        return MoETransformer(cfg, w, LocalExperts(w.experts, "cpu", dtype), max_batch=2, max_seq_len=32,
+        return MoETransformer(cfg, w, LocalExperts(cfg, w.experts, "cpu", dtype), max_batch=2, max_seq_len=32,
                               dtype=dtype, device="cpu", **kw)
 
     assert build(BF16).decode_fastpath

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from baselines.base import GenerationRequest, ModelSpec, RunContext, SystemUnavailable
+from baselines.deepspeed_mii.config import DeepSpeedConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INSTALL = 'pip install -e ".[mii]"'
@@ -52,17 +53,20 @@ def test_zero_inference_config_is_the_authors_recipe():
 def test_option_validation(tmp_path):
     from baselines.deepspeed_mii.adapter import DeepSpeedAdapter
 
+    from baselines.deepspeed_mii.config import DeepSpeedEngine, OffloadDevice
+
     spec = ModelSpec("m", str(tmp_path))
     with pytest.raises(ValueError, match="engine"):
-        DeepSpeedAdapter({"engine": "fastgen"}, spec, _ctx(tmp_path))
+        DeepSpeedConfig.build(engine="fastgen")
     with pytest.raises(ValueError, match="offload_device"):
-        DeepSpeedAdapter({"offload_device": "gpu"}, spec, _ctx(tmp_path))
-    ad = DeepSpeedAdapter({"name": "deepspeed_mii", "adapter": "x:y"}, spec, _ctx(tmp_path))  # yaml keys ignored
+        DeepSpeedConfig.build(offload_device="gpu")
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        DeepSpeedConfig.build(tensor_parallel=2)
+    ad = DeepSpeedAdapter(DeepSpeedConfig.build(name="deepspeed_mii", adapter="x:y"), spec, _ctx(tmp_path))
     assert ad.info()["engine"] == "zero_offload" and ad.info()["install"] == INSTALL
-    from runners.schema import DeepSpeedEngine, OffloadDevice
-
-    ad = DeepSpeedAdapter({"engine": DeepSpeedEngine.mii, "offload_device": OffloadDevice.nvme}, spec, _ctx(tmp_path))
-    assert ad.opts["engine"] == "mii" and ad.opts["offload_device"] == "nvme"
+    ad = DeepSpeedAdapter(DeepSpeedConfig.build(engine="mii", offload_device="nvme"), spec, _ctx(tmp_path))
+    assert ad.config.engine is DeepSpeedEngine.mii and ad.config.offload_device is OffloadDevice.nvme
+    assert ad.info()["options"]["engine"] == "mii"
 
 
 @pytest.mark.parametrize("engine", ["zero_offload", "mii"])
@@ -73,7 +77,7 @@ def test_missing_extra_names_the_install_command(engine, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     monkeypatch.setitem(sys.modules, "mii", None)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # keep load() from touching the real environment
-    ad = DeepSpeedAdapter({"engine": engine}, ModelSpec("m", str(tmp_path), "bfloat16"), _ctx(tmp_path))
+    ad = DeepSpeedAdapter(DeepSpeedConfig.build(engine=engine), ModelSpec("m", str(tmp_path), "bfloat16"), _ctx(tmp_path))
     with pytest.raises(SystemUnavailable, match=r"'mii' extra.*" + re.escape(INSTALL)):
         ad.load()
 
@@ -158,7 +162,7 @@ def _child(model: str, work: str) -> None:
     del ref
 
     for engine, dtype in (("mii", "bfloat16"), ("zero_offload", "float32")):
-        ad = DeepSpeedAdapter({"engine": engine}, ModelSpec("tiny", model, dtype), ctx)
+        ad = DeepSpeedAdapter(DeepSpeedConfig.build(engine=engine), ModelSpec("tiny", model, dtype), ctx)
         try:
             ad.load()
         except SystemUnavailable as exc:
@@ -175,7 +179,7 @@ def _child(model: str, work: str) -> None:
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
         out["zero_offload"]["zero3_after_close"] = bool(is_deepspeed_zero3_enabled())
-        again = DeepSpeedAdapter({"engine": "zero_offload"}, ModelSpec("tiny", model, "float32"), ctx)
+        again = DeepSpeedAdapter(DeepSpeedConfig.build(engine="zero_offload"), ModelSpec("tiny", model, "float32"), ctx)
         again.load()  # a second load in the same process reuses the process group
         out["zero_offload"]["reload_greedy"] = again.generate(GenerationRequest(prompt, n), lambda: None).tokens
         again.close()

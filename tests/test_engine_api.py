@@ -11,13 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from fiddler import Engine
 from fiddler.config import MoEConfig
-from fiddler.engine import build_local_executor
-from fiddler.synthetic import default_cache_root, ensure_synthetic_model
+from fiddler.executors import GpuSide, local_executor
+from runners.synthetic import default_cache_root, ensure_synthetic_model
 from fiddler.weights import CheckpointError, load_weights
 from tests.models import ARCHS, model_path, prompt
 
-# device="cpu": these are CPU-path tests; on a CUDA host the engine would otherwise default to the GPU.
-REF = dict(executor_factory=build_local_executor, measure_bandwidth=False, device="cpu")
+# GpuSide.none(): these are CPU-path tests; on a CUDA host the engine would otherwise default to the GPU.
+REF = dict(executor=local_executor, measure_bandwidth=False, gpu=GpuSide.none())
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def _copy(src, dst):
 
 
 def test_generate_output_and_stats():
-    e = Engine.from_pretrained(model_path("e16k4_odd"), executor_factory=build_local_executor, device="cpu")  # bf16 default
+    e = Engine.from_pretrained(model_path("e16k4_odd"), executor=local_executor, gpu=GpuSide.none())  # bf16 default
     first = []
     out = e.generate(prompt(9, 500), max_new_tokens=7, on_first_token=lambda: first.append(1))
     assert out.tokens.dtype == torch.long and out.tokens.shape == (7,)

@@ -1,4 +1,4 @@
-"""MoEExecutor: decisions a/b/c happen where the plan says, outputs equal a plain reference exactly in
+"""FiddlerExecutor: decisions a/b/c happen where the plan says, outputs equal a plain reference exactly in
 fp32 (and transformers' Mixtral experts), stats are consistent, CPU/GPU-side paths and options."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from fiddler import latency
 from fiddler.config import MoEConfig
-from fiddler.executor import MoEExecutor, build_executor, torch_expert
+from fiddler.executors import FiddlerExecutor, GpuSide, Threads, build_executor, torch_expert
 from fiddler.latency import LatencyModel
 from fiddler.placement import place
 from fiddler.planner import COPY, CPU, GPU
@@ -57,7 +57,7 @@ def reference(experts, x, idx, w):
     return out.sum(1)
 
 
-def check_stats(ex: MoEExecutor, routed: int):
+def check_stats(ex: FiddlerExecutor, routed: int):
     st = ex.stats
     assert sum(st.tokens.values()) == st.routed_tokens == routed
     assert st.weight_copies == st.experts[COPY]
@@ -76,7 +76,7 @@ def check_stats(ex: MoEExecutor, routed: int):
 def test_decisions_and_exact_fp32(planner, fraction, lm_name):
     lm = {"cpu": LM_CPU, "copy": LM_COPY}[lm_name]
     experts = make_experts()
-    ex = build_executor(CFG, experts, device=torch.device("cpu"), gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+    ex = build_executor(CFG, experts, gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
                         placement=f"fraction:{fraction}", planner=planner, latency_model=lm)
     routed = 0
     for T, seed in ((40, 1), (1, 2), (3, 3)):
@@ -101,7 +101,7 @@ def test_all_three_kinds_in_one_layer(planner):
     experts = make_experts()
     # paper rule here: copy iff 10 ms + 0.1 ms + 10 us * s < 1 ms + 0.1 ms * s, i.e. s > 101 tokens
     lm = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-2)
-    ex = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=BIG, max_seq_len=256, max_batch=1,
+    ex = build_executor(CFG, experts, gpu=GpuSide.emulated(BIG), max_seq_len=256, max_batch=1,
                         placement="fraction:0.5", planner=planner, latency_model=lm)
     x, idx, w = routing(200, seed=5)
     # non-resident expert 4 gets >= 120 tokens, the other non-resident ones ~50 each
@@ -121,7 +121,7 @@ def test_matches_transformers_mixtral_experts():
     cfg = MoEConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_experts=8, top_k=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, vocab_size=128)
     experts = make_experts(cfg)
-    ex = build_executor(cfg, experts, device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+    ex = build_executor(cfg, experts, gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
                         placement="fraction:0.5", planner="makespan", latency_model=LM_EVEN)
     for impl in ("grouped_mm", "eager"):
         hc = MixtralConfig(hidden_size=64, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2)
@@ -143,7 +143,7 @@ def test_matches_transformers_mixtral_experts():
 
 def test_no_gpu_runs_everything_on_cpu():
     experts = make_experts()
-    ex = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=None, max_seq_len=64, max_batch=1)
+    ex = build_executor(CFG, experts, gpu=GpuSide.none(), max_seq_len=64, max_batch=1)
     assert ex.placement.num_resident == 0 and ex.buffers == [] and ex.latency_model is None
     assert ex.info()["gpu_side"] is None and ex.info()["planner"] == "cpu"
     x, idx, w = routing(9, seed=7)
@@ -155,11 +155,11 @@ def test_no_gpu_runs_everything_on_cpu():
 def test_threaded_overlap_equals_serial():
     """overlap=True runs the CPU queue on the worker thread with half the cores, concurrently."""
     experts = make_experts()
-    kw = dict(device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1, placement="fraction:0.5",
+    kw = dict(gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1, placement="fraction:0.5",
               planner="makespan", latency_model=LM_CPU)
     a = build_executor(CFG, experts, overlap=True, **kw)
     b = build_executor(CFG, experts, overlap=False, **kw)
-    assert a.overlap and not b.overlap
+    assert a.threads.overlap and not b.threads.overlap
     for T in (1, 16, 64):
         x, idx, w = routing(T, seed=T)
         ya, yb = a.forward(0, x, idx, w), b.forward(0, x, idx, w)
@@ -173,7 +173,7 @@ def test_bf16_cpu_path_close_to_fp32():
     """bf16: the CPU path uses the packed C++ kernel when it is built (else torch); both sides of the
     plan stay within bf16 rounding of an fp32 computation on the same (bf16-rounded) weights."""
     experts = make_experts(dtype=torch.bfloat16)
-    ex = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+    ex = build_executor(CFG, experts, gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
                         placement="fraction:0.5", planner="makespan", latency_model=LM_CPU)
     x, idx, w = routing(24, dtype=torch.bfloat16, seed=9)
     got = ex.forward(0, x, idx, w).float()
@@ -189,14 +189,14 @@ def test_bf16_decode_row_fused_equals_general_path(monkeypatch):
     """One token, every routed expert on the CPU: the executor runs them in one kernel call
     (fiddler.kernels.moe_ffn) with the same result and the same accounting as the general path."""
     experts = make_experts(dtype=torch.bfloat16)
-    kw = dict(device="cpu", gpu_budget_bytes=None, max_seq_len=64, max_batch=1)
+    kw = dict(gpu=GpuSide.none(), max_seq_len=64, max_batch=1)
     fused, general = build_executor(CFG, experts, **kw), build_executor(CFG, experts, **kw)
     if fused.kernel is None:
         pytest.skip("kernel library not built")
     calls = []
     real = fused.kernel.moe_ffn
     monkeypatch.setattr(fused.kernel, "moe_ffn", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(general, "_decode_row_on_cpu", lambda *a: None)  # force the general path
+    general.fused_decode = False  # force the general path
     for seed in range(6):
         x, idx, w = routing(1, dtype=torch.bfloat16, seed=seed)
         assert torch.equal(fused.forward(seed % CFG.num_layers, x, idx, w), general.forward(seed % CFG.num_layers, x, idx, w))
@@ -207,7 +207,7 @@ def test_bf16_decode_row_fused_equals_general_path(monkeypatch):
     with pytest.raises(ValueError, match="expert ids"):
         fused.forward(0, x, torch.tensor([[0, CFG.num_experts]]), w)
     # an emulated GPU whose plan keeps a resident expert on the GPU side: not the fused case
-    emul = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+    emul = build_executor(CFG, experts, gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
                           placement="all", planner="makespan", latency_model=LM_CPU)
     calls.clear()
     x, idx, w = routing(1, dtype=torch.bfloat16, seed=1)
@@ -216,7 +216,7 @@ def test_bf16_decode_row_fused_equals_general_path(monkeypatch):
 
 
 def test_recorder_and_info():
-    ex = build_executor(CFG, make_experts(), device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+    ex = build_executor(CFG, make_experts(), gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
                         placement="popularity", planner="paper", latency_model=LM_EVEN)
     rec = ex.attach_recorder()
     x, idx, w = routing(10, seed=11)
@@ -233,7 +233,7 @@ def test_recorder_and_info():
 def test_calibrated_latency_model_is_cached():
     latency.clear_cache()
     experts = make_experts()
-    kw = dict(device="cpu", gpu_budget_bytes=BIG, max_seq_len=32, max_batch=1, placement="fraction:0.5")
+    kw = dict(gpu=GpuSide.emulated(BIG), max_seq_len=32, max_batch=1, placement="fraction:0.5")
     a = build_executor(CFG, experts, **kw)
     lm = a.latency_model
     assert lm.source == "calibrated" and [s for s, _ in lm.samples["cpu"]] == [1, 2, 4, 8, 16, 32]
@@ -245,7 +245,7 @@ def test_calibrated_latency_model_is_cached():
 
 def test_input_validation():
     experts = make_experts()
-    ex = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=BIG, max_seq_len=64, max_batch=1,
+    ex = build_executor(CFG, experts, gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
                         latency_model=LM_EVEN)
     x, idx, w = routing(4)
     with pytest.raises(TypeError, match="dtype"):
@@ -255,11 +255,11 @@ def test_input_validation():
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
         ex.forward(0, x, bad, w)
     with pytest.raises(ValueError, match="experts must be"):
-        build_executor(CFG, experts[:1], device="cpu", gpu_budget_bytes=None, max_seq_len=64, max_batch=1)
+        build_executor(CFG, experts[:1], gpu=GpuSide.none(), max_seq_len=64, max_batch=1)
     pl = place(CFG, torch.float32, BIG, max_seq_len=64, max_batch=1, strategy="fraction", fraction=0.5)
     with pytest.raises(ValueError, match="needs a GPU budget"):
-        MoEExecutor(CFG, experts, device="cpu", dtype=torch.float32, placement=pl, planner="paper",
-                    latency_model=LM_EVEN, has_gpu=False)
+        FiddlerExecutor(CFG, experts, gpu=GpuSide.none(), dtype=torch.float32, placement=pl, planner="paper",
+                        latency_model=LM_EVEN, threads=Threads.choose(GpuSide.none(), torch.float32, None, None))
 
 
 @pytest.mark.cuda
@@ -268,7 +268,7 @@ def test_input_validation():
 def test_cuda_all_kinds_with_streams(dtype):
     experts = make_experts(dtype=dtype)
     lm = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-2)
-    ex = build_executor(CFG, experts, device="cuda", gpu_budget_bytes=BIG, max_seq_len=256, max_batch=1,
+    ex = build_executor(CFG, experts, gpu=GpuSide.cuda(BIG), max_seq_len=256, max_batch=1,
                         placement="fraction:0.5", planner="paper", latency_model=lm)
     x, idx, w = routing(200, dtype=dtype, seed=5)
     idx[:120, 0] = 4  # copy expert 4 (paper rule: s > 101), the other non-resident ones run on the CPU
@@ -289,7 +289,7 @@ def test_cuda_all_kinds_with_streams(dtype):
 def test_take_ownership_releases_host_copies():
     experts = make_experts(dtype=torch.bfloat16)
     keep = [[ExpertWeights(e.w1.clone(), e.w3.clone(), e.w2.clone()) for e in layer] for layer in experts]
-    ex = build_executor(CFG, experts, device="cpu", gpu_budget_bytes=None, max_seq_len=64, max_batch=1,
+    ex = build_executor(CFG, experts, gpu=GpuSide.none(), max_seq_len=64, max_batch=1,
                         take_ownership=True)
     assert all(e is None for layer in experts for e in layer)
     if ex.kernel is not None:  # without a GPU the packed copies are all that is kept

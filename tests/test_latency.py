@@ -9,6 +9,7 @@ import torch
 from fiddler import latency
 from fiddler.config import MoEConfig
 from fiddler.latency import HardwareSpec, LatencyModel, calibrate, fit_linear, fit_roofline
+from runners.hardware_spec import hardware_spec
 
 MIXTRAL = MoEConfig(hidden_size=4096, intermediate_size=14336, num_layers=32, num_experts=8, top_k=2, num_heads=32,
                     num_kv_heads=8, head_dim=128, vocab_size=32000)
@@ -58,7 +59,7 @@ def test_from_hardware_spec_mixtral_on_paper_env1():
     # conf/environment/paper_env1.yaml's numbers (Quadro RTX 6000 + Xeon Gold 6126), as nested dicts
     env = {"gpu": {"mem_bandwidth_gbps": 672, "bf16_tflops": 16.3}, "pcie": {"h2d_gbps": 12, "d2h_gbps": 12},
            "cpu": {"cores": 12, "mem_bandwidth_gbps": 128, "isa": "avx512", "threads": 12}}
-    spec = HardwareSpec.from_environment(env)
+    spec = hardware_spec(env)
     lm = LatencyModel.from_hardware_spec(spec, MIXTRAL, torch.bfloat16)
     eb = 3 * 4096 * 14336 * 2
     assert lm.source == "hardware_spec" and lm.meta["expert_bytes"] == eb
@@ -119,3 +120,19 @@ def test_calibrate_fits_timed_paths_and_caches(monkeypatch):
     n = calls["cpu"]
     assert calibrate(cpu_fn, None, None, cache_key=("unit", 1)) is lm and calls["cpu"] == n
     latency.clear_cache()
+
+
+@pytest.mark.parametrize("env", ["paper_env1", "paper_env2", "rtx3060", "rtx4090"])
+def test_every_described_environment_gives_a_hardware_spec(env):
+    """The harness's environment configs, composed and resolved as the runner does, build a HardwareSpec."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from tests.test_harness import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"environment={env}"])
+    resolved = OmegaConf.to_container(cfg.environment, resolve=True, enum_to_str=True)
+    spec = hardware_spec(resolved)
+    assert spec.cpu_cores >= 1 and spec.cpu_mem_bandwidth_gbps > 0 and spec.gpu_mem_bandwidth_gbps > 0
+    assert LatencyModel.from_hardware_spec(spec, MIXTRAL).cpu(1) > 0

@@ -16,6 +16,7 @@ import torch
 
 from baselines.base import GenerationRequest, ModelSpec, RunContext, SystemUnavailable
 from baselines.llama_cpp import beam as beam_mod
+from baselines.llama_cpp.config import LlamaCppConfig
 from baselines.llama_cpp import convert
 
 pytestmark = pytest.mark.llamacpp
@@ -34,7 +35,7 @@ def _adapter(tiny, cache_dir, **options):
     from baselines.llama_cpp.adapter import LlamaCppAdapter
 
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(cache_dir))
-    ad = LlamaCppAdapter(options, ModelSpec(name="tiny_mixtral", path=str(tiny)), ctx)
+    ad = LlamaCppAdapter(LlamaCppConfig.build(**options), ModelSpec(name="tiny_mixtral", path=str(tiny)), ctx)
     try:
         ad.load()
     except SystemUnavailable as exc:
@@ -160,7 +161,7 @@ def test_gpu_layers_without_gpu_build_is_unavailable(tiny, tmp_path):
     from baselines.llama_cpp.adapter import LlamaCppAdapter
 
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(tmp_path))
-    ad = LlamaCppAdapter({"n_gpu_layers": 4}, ModelSpec(name="t", path=str(tiny)), ctx)
+    ad = LlamaCppAdapter(LlamaCppConfig.build(n_gpu_layers=4), ModelSpec(name="t", path=str(tiny)), ctx)
     with pytest.raises(SystemUnavailable, match="n_gpu_layers=4 needs a GPU build"):
         ad.load()
 
@@ -229,21 +230,20 @@ def test_offline_without_converter_is_a_clear_unavailable(tmp_path, monkeypatch)
     assert not (tmp_path / "llama_cpp_converter" / convert.llama_cpp_python_version()).exists()
 
 
-def test_option_validation(tiny, tmp_path):
-    from baselines.llama_cpp.adapter import LlamaCppAdapter
-
-    ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(tmp_path))
-    spec = ModelSpec(name="t", path=str(tiny))
+def test_option_validation():
+    """Checks live in the typed config (baselines/llama_cpp/config.py), the adapter's one source."""
     with pytest.raises(ValueError, match="q3_x"):
-        LlamaCppAdapter({"quant": "q3_x"}, spec, ctx)
-    with pytest.raises(ValueError, match="unknown llama_cpp option"):
-        LlamaCppAdapter({"ngl": 3}, spec, ctx)
+        LlamaCppConfig.build(quant="q3_x")
+    with pytest.raises(Exception, match="ngl"):
+        LlamaCppConfig.build(ngl=3)
     with pytest.raises(ValueError, match="flash_attn"):
-        LlamaCppAdapter({"flash_attn": "yes"}, spec, ctx)
+        LlamaCppConfig.build(flash_attn="yes")
     with pytest.raises(ValueError, match="kv_cache_type"):
-        LlamaCppAdapter({"kv_cache_type": "f8"}, spec, ctx)
+        LlamaCppConfig.build(kv_cache_type="f8")
     with pytest.raises(ValueError, match="flash_attn"):
-        LlamaCppAdapter({"kv_cache_type": "q8_0", "flash_attn": "off"}, spec, ctx)
+        LlamaCppConfig.build(kv_cache_type="q8_0", flash_attn="off")
+    with pytest.raises(ValueError, match="n_ctx"):
+        LlamaCppConfig.build(n_ctx=0)
 
 
 # ----------------------------------------------------------------------------- beam bookkeeping (no llama.cpp)

@@ -15,7 +15,10 @@ import torch
 from baselines.base import ModelSpec, RunContext, SystemUnavailable
 from baselines.mixtral_offloading import DEFAULT_CACHE_SIZE, derive_cache_size, load_engine
 from baselines.mixtral_offloading.adapter import MixtralOffloadingAdapter
+from baselines.mixtral_offloading.config import MixtralOffloadingConfig
 from fiddler.config import MoEConfig
+from fiddler.executors import ExpertWeights
+from fiddler.gpu_side import GpuSide
 from fiddler.placement import reservation
 from tests.models import ARCHS, hf_model, model_path, prompt
 
@@ -29,7 +32,7 @@ def hf(arch: str):
 
 def engine(arch: str, **kw):
     kw.setdefault("dtype", torch.float32)
-    kw.setdefault("device", "cpu")  # the CPU stands in for the GPU; test_cuda_side_stream_copies asks for CUDA
+    kw.setdefault("gpu", GpuSide.none())  # the CPU stands in for the GPU; test_cuda_side_stream_copies asks for CUDA
     return load_engine(model_path(arch), measure_bandwidth=False, **kw)
 
 
@@ -219,14 +222,23 @@ def test_prefetch_on_moe_input_is_exact_and_counted():
     assert eng.executor.stats.prefetch_calls == 6  # layer 0 of each step guesses layer 1
 
 
-def test_prefetch_needs_the_model_routers():
+def test_engine_binds_the_model_routers_for_prefetch():
+    """The engine calls the executor's bind_model hook itself: the policy works through the plain
+    Engine.from_pretrained(..., executor=...), and an executor that was never bound says so."""
+    from baselines.mixtral_offloading import MixtralOffloadingPolicy, OffloadingExecutor
     from fiddler.engine import Engine
-    from baselines.mixtral_offloading import make_executor_factory
 
     eng = Engine.from_pretrained(model_path("e8k2"), dtype=torch.float32, measure_bandwidth=False,
-                                 executor_factory=make_executor_factory(cache_size=2, prefetch=True))
+                                 gpu=GpuSide.none(), executor=MixtralOffloadingPolicy(cache_size=2, prefetch=True))
+    eng.generate(prompt(4, 512), max_new_tokens=2)
+    assert eng.executor.stats.prefetch_calls > 0
+    cfg = eng.config
+    F_, H = cfg.intermediate_size, cfg.hidden_size
+    zero = ExpertWeights(torch.zeros(F_, H), torch.zeros(F_, H), torch.zeros(H, F_))
+    unbound = OffloadingExecutor(cfg, [[zero] * cfg.num_experts for _ in range(cfg.num_layers)], device="cpu",
+                                 dtype=torch.float32, cache_size=2, cache_size_source="test")
     with pytest.raises(RuntimeError, match="bind_model"):
-        eng.generate(prompt(4, 512), max_new_tokens=1)
+        unbound.after_moe(0, torch.zeros(1, cfg.hidden_size))
 
 
 def test_bad_options():
@@ -258,11 +270,12 @@ def test_cache_size_from_budget():
     assert derive_cache_size(CFG, dt, budget, max_seq_len=64, max_batch=2, expert_bytes=eb // 4)[0] == 8
 
 
-def adapter(tmp_path, gpu_gb=0.0, **options):
-    spec = ModelSpec(name="e8k2", path=str(model_path("e8k2")), dtype="float32")
+def adapter(tmp_path, gpu_gb=0.0, dtype="float32", **options):
+    spec = ModelSpec(name="e8k2", path=str(model_path("e8k2")), dtype=dtype)
     ctx = RunContext(threads=torch.get_num_threads(), gpu_memory_gb=gpu_gb, has_cuda=torch.cuda.is_available(),
                      cache_dir=str(tmp_path), max_seq_len=64, max_batch=2)
-    a = MixtralOffloadingAdapter({"prefetch": True, "quantize": False, **options}, spec, ctx)
+    a = MixtralOffloadingAdapter(MixtralOffloadingConfig.build(**{"prefetch": True, "quantize": False, **options}),
+                                 spec, ctx)
     a.load()
     return a
 
@@ -320,7 +333,8 @@ def test_hqq_quantized_policy(tmp_path):
     # 2-bit weights (4 per byte) + a scale and a zero per group of 16, in fp32
     assert ex.expert_bytes == cfg.expert_params() // 4 + 2 * (cfg.expert_params() // 16) * 4
     assert ex.expert_bytes < cfg.expert_bytes(torch.float32) // 4
-    assert eng.info()["attention_quantization"]["quantized_bytes"] < eng.info()["attention_quantization"]["dense_bytes"]
+    attn = eng.info()["executor_info"]["attention_quantization"]
+    assert attn["quantized_bytes"] < attn["dense_bytes"]
     out = eng.generate(prompt(10, 512), max_new_tokens=5)
     assert out.tokens.shape == (5,)
     st = ex.stats
@@ -339,6 +353,39 @@ def test_hqq_quantized_policy(tmp_path):
                         device="cpu").dequantize()
         assert torch.allclose(W, ref, atol=1e-6)
         assert (W - q).abs().max() < q.abs().max()  # a quantization of these weights, not of others
+
+
+def test_hqq_quantized_policy_bf16_through_the_adapter(tmp_path):
+    """quantize: true on a bf16 model, as a user runs it: the CPU kernel serves the dense linears (their
+    torch copies are dropped), so attention must be quantized from the dense weights before that."""
+    pytest.importorskip("hqq")
+    from baselines.base import GenerationRequest
+    from baselines.mixtral_offloading.quant import HQQAttentionLinear
+
+    a = adapter(tmp_path, dtype="bfloat16", quantize=True, cache_size=2)
+    eng = a.engine
+    from fiddler.weights import load_weights
+
+    dense = load_weights(model_path("e8k2"), eng.config, dtype=torch.bfloat16).layers
+    for layer, d in zip(eng.model.layers, dense):
+        assert isinstance(layer.qkv_proj, HQQAttentionLinear) and isinstance(layer.o_proj, HQQAttentionLinear)
+        for q, w in ((layer.qkv_proj, torch.cat([d.q, d.k, d.v])), (layer.o_proj, d.o)):
+            deq = q.layer.dequantize().float()
+            assert deq.shape == w.shape and (deq - w.float()).abs().max() < w.float().abs().max()
+    info = a.info()
+    cfg = eng.config
+    assert info["executor_info"]["attention_quantization"]["quantized_bytes"] < \
+        info["executor_info"]["attention_quantization"]["dense_bytes"]
+    assert eng.executor.expert_bytes == cfg.expert_params() // 4 + 2 * (cfg.expert_params() // 16) * 2
+    calls = []
+    res = a.generate(GenerationRequest(input_ids=prompt(10, 512).tolist(), max_new_tokens=5, beam_width=2),
+                     lambda: calls.append(1))
+    assert len(res.tokens) == 5 and calls == [1]
+    ex = res.stats["executor"]
+    assert ex["bytes_copied"] == (ex["misses"] + ex["prefetch_copies"]) * eng.executor.expert_bytes > 0
+    greedy = [a.generate(GenerationRequest(input_ids=prompt(10, 512).tolist(), max_new_tokens=4), lambda: None).tokens
+              for _ in range(2)]
+    assert greedy[0] == greedy[1]
 
 
 # ---------------------------------------------------------------- config and CUDA
@@ -374,7 +421,7 @@ def test_cuda_side_stream_copies(prefetch):
     """On CUDA: pinned host experts, copies on a side stream ordered by events; logits equal transformers'
     (fp32, to rounding), counts equal the LRU replay, and every slot holds its expert's bytes."""
     arch = "e16k4_odd"
-    eng = engine(arch, cache_size=2, prefetch=prefetch, device="cuda")
+    eng = engine(arch, cache_size=2, prefetch=prefetch, gpu=GpuSide.cuda())
     ex = eng.executor
     assert ex.cuda and ex.host[0][0][0].is_pinned()
     ids = prompt(10, ARCHS[arch]["vocab_size"], seed=3)

@@ -14,37 +14,28 @@ import pytest
 import torch
 
 from fiddler import Engine
-from fiddler.engine import build_local_executor
+from fiddler.executors import FiddlerPolicy, GpuSide, local_executor
+from fiddler.latency import LatencyModel
 from tests.models import ARCHS, hf_model, model_path, prompt
 
 transformers = pytest.importorskip("transformers")
 
 
-def _has_fiddler_executor() -> bool:
-    try:
-        import fiddler.executor  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
-
-
 # Engine variants: Engine.from_pretrained keyword arguments. One line per executor configuration.
 VARIANTS = {
-    "reference": dict(executor_factory=build_local_executor),
+    "reference": dict(gpu=GpuSide.none(), executor=local_executor),
+    "fiddler-cpu": dict(gpu=GpuSide.none()),  # Fiddler's executor, no GPU
 }
-if _has_fiddler_executor():
-    from fiddler.latency import LatencyModel
-
-    VARIANTS["fiddler-cpu"] = dict(gpu_budget_bytes=None)  # fiddler.executor.build_executor, no GPU
-    # A budget makes the CPU device stand in for the GPU: placement, plans and weight copies run for real.
-    # This hand-made latency model copies experts in for multi-token batches and runs single tokens on the
-    # CPU, so decisions a, b and c all occur (per-kind checks: tests/test_executor.py).
-    _MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
-    # Every planner x 0%, 50% and 100% of experts resident on the emulated GPU.
-    for _placement, _name in (("none", "none"), ("fraction:0.5", "half"), ("all", "all")):
-        for _planner in ("paper", "makespan"):
-            VARIANTS[f"fiddler-emul-{_name}-{_planner}"] = dict(
-                gpu_budget_bytes=1 << 40, placement=_placement, planner=_planner, latency_model=_MIX)
+# A budget makes the CPU device stand in for the GPU: placement, plans and weight copies run for real.
+# This hand-made latency model copies experts in for multi-token batches and runs single tokens on the
+# CPU, so decisions a, b and c all occur (per-kind checks: tests/test_executor.py).
+_MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
+# Every planner x 0%, 50% and 100% of experts resident on the emulated GPU.
+for _placement, _name in (("none", "none"), ("fraction:0.5", "half"), ("all", "all")):
+    for _planner in ("paper", "makespan"):
+        VARIANTS[f"fiddler-emul-{_name}-{_planner}"] = dict(
+            gpu=GpuSide.emulated(1 << 40),
+            executor=FiddlerPolicy(placement=_placement, planner=_planner, latency_model=_MIX))
 
 variant_params = pytest.mark.parametrize("variant", list(VARIANTS))
 # Decision kinds each emulated placement must produce with _MIX (a: resident, b: copied in, c: CPU).
@@ -65,7 +56,7 @@ all_arch_params = pytest.mark.parametrize("arch", list(ARCHS))
 
 @functools.cache
 def engine(arch: str, variant: str, dtype: torch.dtype) -> Engine:
-    return Engine.from_pretrained(model_path(arch), dtype=dtype, measure_bandwidth=False, device="cpu", **VARIANTS[variant])
+    return Engine.from_pretrained(model_path(arch), dtype=dtype, measure_bandwidth=False, **VARIANTS[variant])
 
 
 @functools.cache
@@ -217,8 +208,8 @@ def test_cuda_fp32_greedy_and_beam_match_transformers(fraction):
     cfg = ARCHS[arch]
     budget = 256 << 20  # far above non-expert weights + KV cache of the test model; placement decides residency
     e = Engine.from_pretrained(
-        model_path(arch), dtype=torch.float32, device="cuda", gpu_budget_bytes=budget,
-        placement=f"fraction:{fraction}", measure_bandwidth=False,
+        model_path(arch), dtype=torch.float32, gpu=GpuSide.cuda(budget),
+        executor=FiddlerPolicy(placement=f"fraction:{fraction}"), measure_bandwidth=False,
     )
     ids = prompt(12, cfg["vocab_size"], seed=2)
     ref = hf(arch, torch.float32).generate(ids[None], max_new_tokens=32, do_sample=False)[0, 12:]
@@ -246,8 +237,8 @@ def test_fp32_sliding_window_matches_transformers(tmp_path):
     ref_model = MixtralForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     ref_model.generation_config.eos_token_id = None
     ref_model.generation_config.pad_token_id = 0
-    e = Engine.from_pretrained(d, dtype=torch.float32, measure_bandwidth=False, executor_factory=build_local_executor,
-                               device="cpu")
+    e = Engine.from_pretrained(d, dtype=torch.float32, measure_bandwidth=False, executor=local_executor,
+                               gpu=GpuSide.none())
     ids = prompt(14, ARCHS["e8k2"]["vocab_size"], seed=6)
     with torch.no_grad():
         ref = ref_model(ids[None]).logits[0]

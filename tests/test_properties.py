@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fiddler.config import MoEConfig
-from fiddler.executor import build_executor
+from fiddler.executors import GpuSide, build_executor
 from fiddler.latency import LatencyModel
 from fiddler.placement import place, reservation
 from fiddler.planner import COPY, CPU, GPU, PLANNERS, get_planner
@@ -94,7 +94,7 @@ EXPERTS = make_experts(CFG)
 def test_executor_computes_every_routed_token_exactly_once(T, mask, lm, planner, seed, overlap):
     resident = [mask[:6], mask[6:]]
     pl = place(CFG, torch.float32, 1 << 40, max_seq_len=64, max_batch=1, strategy="mask", mask=resident)
-    ex = build_executor(CFG, EXPERTS, device="cpu", gpu_budget_bytes=1 << 40, max_seq_len=64, max_batch=1,
+    ex = build_executor(CFG, EXPERTS, gpu=GpuSide.emulated(1 << 40), max_seq_len=64, max_batch=1,
                         placement=pl, planner=planner, latency_model=lm, overlap=overlap)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, 32, generator=g)

@@ -1,4 +1,4 @@
-"""Tests for the synthetic Mixtral checkpoint generator (fiddler/synthetic.py)."""
+"""Tests for the synthetic Mixtral checkpoint generator (runners/synthetic.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fiddler import synthetic as syn
+from runners import synthetic as syn
 from runners.models import preset
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def test_tensor_independent_of_thread_count():
 
 _ISA_SPECS = [syn.TensorSpec("w", (257, 129), "normal", 0.05), syn.TensorSpec("n", (4096,), "norm")]
 _ISA_SCRIPT = (
-    "import hashlib, sys; from fiddler import synthetic as syn; from tests.test_synthetic import _ISA_SPECS; "
+    "import hashlib, sys; from runners import synthetic as syn; from tests.test_synthetic import _ISA_SPECS; "
     "print([hashlib.sha256(syn.make_tensor(s, 3).view(__import__('torch').uint8).numpy().tobytes()).hexdigest() "
     "for s in _ISA_SPECS])"
 )

@@ -17,46 +17,31 @@ nvme_path, zero_overrides (merged into ``zero_optimization``), tensor_parallel a
 """
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any, Callable
 
 from baselines.base import GenerationRequest, GenerationResult, SystemAdapter, SystemUnavailable
 from baselines.deepspeed_mii.common import INSTALL_HINT, versions
+from baselines.deepspeed_mii.config import DeepSpeedConfig, DeepSpeedEngine
 
-ENGINES = ("zero_offload", "mii")
-DEFAULTS: dict[str, Any] = {
-    "engine": "zero_offload",
-    "offload_device": "cpu",
-    "pin_memory": True,
-    "nvme_path": None,
-    "zero_overrides": {},
-    "tensor_parallel": 1,
-    "max_length": None,
-}
 
 
 class DeepSpeedAdapter(SystemAdapter):
-    def __init__(self, options, model, ctx):
-        super().__init__(options, model, ctx)
-        opts = dict(DEFAULTS)
-        # structured configs may hand over Enum members; the adapter works with their values
-        opts.update({k: (v.value if isinstance(v, Enum) else v) for k, v in dict(options or {}).items() if k in DEFAULTS})
-        if opts["engine"] not in ENGINES:
-            raise ValueError(f"system.engine must be one of {ENGINES}, got {opts['engine']!r}")
-        if opts["offload_device"] not in ("cpu", "nvme"):
-            raise ValueError(f"system.offload_device must be cpu or nvme, got {opts['offload_device']!r}")
-        self.opts = opts
+    config: DeepSpeedConfig
+
+    def __init__(self, config: DeepSpeedConfig, model, ctx):
+        super().__init__(config, model, ctx)
         self.impl = None
 
     def load(self) -> None:
-        if self.opts["engine"] == "zero_offload":
+        c = self.config
+        if c.engine is DeepSpeedEngine.zero_offload:
             from baselines.deepspeed_mii.zero_inference import ZeroInferenceEngine
 
             self.impl = ZeroInferenceEngine(
                 self.model.path, self.model.dtype, threads=self.ctx.threads, has_cuda=self.ctx.has_cuda,
-                cache_dir=self.ctx.cache_dir, offload_device=self.opts["offload_device"],
-                pin_memory=bool(self.opts["pin_memory"]), nvme_path=self.opts["nvme_path"],
-                zero_overrides=dict(self.opts["zero_overrides"] or {}), gpu_memory_gb=self.ctx.gpu_memory_gb,
+                cache_dir=self.ctx.cache_dir, offload_device=c.offload_device.value, pin_memory=c.pin_memory,
+                nvme_path=c.nvme_path, zero_overrides=dict(c.zero_overrides or {}),
+                gpu_memory_gb=self.ctx.gpu_memory_gb,
             )
         else:
             from baselines.deepspeed_mii.fastgen import FastGenEngine
@@ -66,8 +51,7 @@ class DeepSpeedAdapter(SystemAdapter):
                                         "(model.dtype=float32)")
             self.impl = FastGenEngine(self.model.path, has_cuda=self.ctx.has_cuda,
                                       gpu_memory_gb=self.ctx.gpu_memory_gb,
-                                      tensor_parallel=int(self.opts["tensor_parallel"]),
-                                      max_length=self.opts["max_length"])
+                                      tensor_parallel=c.tensor_parallel, max_length=c.max_length)
         try:
             self.impl.load()
         except BaseException:
@@ -85,9 +69,10 @@ class DeepSpeedAdapter(SystemAdapter):
             self.impl.synchronize()
 
     def info(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"engine": self.opts["engine"], "options": dict(self.opts), "versions": versions(),
-                               "install": INSTALL_HINT}
-        if self.opts["engine"] == "zero_offload":
+        zero = self.config.engine is DeepSpeedEngine.zero_offload
+        out: dict[str, Any] = {"engine": self.config.engine.value, "options": self.config.to_dict(),
+                               "versions": versions(), "install": INSTALL_HINT}
+        if zero:
             from baselines.deepspeed_mii.zero_inference import ZeroInferenceEngine
 
             out["recipe"] = ("ZeRO-Inference: HfDeepSpeedConfig + from_pretrained (zero.Init), set_z3_leaf_modules("
@@ -97,7 +82,7 @@ class DeepSpeedAdapter(SystemAdapter):
             out["zero_config"] = (self.impl.ds_config if isinstance(self.impl, ZeroInferenceEngine) else None)
         if self.impl is not None:
             out.update(self.impl.facts)
-            if self.opts["engine"] == "zero_offload":
+            if zero:
                 import torch
 
                 out["torch_threads"] = torch.get_num_threads()

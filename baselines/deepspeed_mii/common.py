@@ -77,11 +77,6 @@ def checkpoint_bytes(path: str) -> int:
     return total
 
 
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def enforce_gpu_budget(gpu_memory_gb: float) -> dict[str, Any]:
     """Cap this process's CUDA allocations at the environment's GPU memory (an emulated smaller card).
 

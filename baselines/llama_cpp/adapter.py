@@ -36,19 +36,8 @@ from baselines.base import (
 )
 
 from . import convert
+from .config import LlamaCppConfig
 
-DEFAULTS: dict[str, Any] = {
-    "quant": "bf16",
-    "n_gpu_layers": 0,
-    "n_cpu_moe": 0,
-    "n_ctx": None,
-    "n_batch": 512,
-    "flash_attn": "auto",
-    "kv_cache_type": "f16",
-    "threads": None,
-    "converter_dir": None,
-    "verbose": False,
-}
 #: KV-cache sequences of a fresh context (beam widths up to this need no context rebuild)
 DEFAULT_SEQS = 16
 #: KV-cache cells of a fresh context when n_ctx is null (grown on demand by a larger request)
@@ -71,37 +60,11 @@ def parse_system_info(text: str) -> dict[str, Any]:
 class LlamaCppAdapter(SystemAdapter):
     token_accounting = "returned_sequence"
 
-    def __init__(self, options, model, ctx):
-        unknown = set(options or {}) - set(DEFAULTS) - {"name", "adapter"}
-        if unknown:
-            raise ValueError(f"unknown llama_cpp option(s): {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-        # enum-valued options (structured configs) arrive as Enum members: keep their values
-        given = {k: getattr(v, "value", v) for k, v in (options or {}).items() if k in DEFAULTS}
-        merged = {**DEFAULTS, **given}
-        super().__init__(merged, model, ctx)
-        o = self.options
-        o["quant"] = str(o["quant"]).lower()
-        if o["quant"] not in convert.SUPPORTED_QUANTS:
-            raise ValueError(f"llama_cpp quant {o['quant']!r} is not supported; choose one of "
-                             f"{', '.join(convert.SUPPORTED_QUANTS)}")
-        if o["flash_attn"] not in ("auto", "on", "off"):
-            raise ValueError(f"llama_cpp flash_attn must be auto, on or off, not {o['flash_attn']!r}")
-        from .engine import KV_CACHE_TYPES
+    config: LlamaCppConfig
 
-        if o["kv_cache_type"] not in KV_CACHE_TYPES:
-            raise ValueError(f"llama_cpp kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, "
-                             f"not {o['kv_cache_type']!r}")
-        if o["kv_cache_type"] in ("q8_0", "q4_0") and o["flash_attn"] == "off":
-            raise ValueError("llama.cpp needs flash_attn (auto or on) for a quantized KV cache")
-        if int(o["n_gpu_layers"]) < -1:
-            raise ValueError("llama_cpp n_gpu_layers must be >= -1 (-1 = all layers)")
-        if int(o["n_cpu_moe"]) < 0:
-            raise ValueError("llama_cpp n_cpu_moe must be >= 0")
-        if int(o["n_batch"]) < 1:
-            raise ValueError("llama_cpp n_batch must be >= 1")
-        if o["n_ctx"] is not None and int(o["n_ctx"]) < 1:
-            raise ValueError("llama_cpp n_ctx must be null or >= 1")
-        self.threads = int(o["threads"] or ctx.threads or 1)
+    def __init__(self, config: LlamaCppConfig, model, ctx):
+        super().__init__(config, model, ctx)
+        self.threads = int(config.threads or ctx.threads or 1)
         self.llm = None
         self.gguf_path = None
         self._lc = None
@@ -116,30 +79,29 @@ class LlamaCppAdapter(SystemAdapter):
         except OSError as exc:  # the shared library failed to load
             raise SystemUnavailable(f"llama-cpp-python's shared library failed to load: {exc}") from exc
         self._lc = llama_cpp
-        o = self.options
-        ngl = int(o["n_gpu_layers"])
+        c = self.config
+        ngl = c.n_gpu_layers
         if ngl != 0 and not llama_cpp.llama_supports_gpu_offload():
             raise SystemUnavailable(
                 f"n_gpu_layers={ngl} needs a GPU build of llama-cpp-python (this one is CPU-only); "
                 f"rebuild with CMAKE_ARGS=\"-DGGML_CUDA=ON\" or set system.n_gpu_layers=0")
         from .engine import LlamaCppModel, LoadParams
 
-        self.gguf_path = convert.ensure_gguf(self.model.path, o["quant"], self.ctx.cache_dir,
-                                             o["converter_dir"], self.threads)
-        n_ctx = int(o["n_ctx"]) if o["n_ctx"] is not None else DEFAULT_CTX
-        params = LoadParams(threads=self.threads, n_ctx=n_ctx, n_batch=int(o["n_batch"]),
-                            n_seq_max=DEFAULT_SEQS, n_gpu_layers=ngl, n_cpu_moe=int(o["n_cpu_moe"]),
-                            flash_attn=o["flash_attn"], kv_cache_type=o["kv_cache_type"],
-                            verbose=bool(o["verbose"]))
+        self.gguf_path = convert.ensure_gguf(self.model.path, c.quant, self.ctx.cache_dir, c.converter_dir,
+                                             self.threads)
+        n_ctx = c.n_ctx if c.n_ctx is not None else DEFAULT_CTX
+        params = LoadParams(threads=self.threads, n_ctx=n_ctx, n_batch=c.n_batch, n_seq_max=DEFAULT_SEQS,
+                            n_gpu_layers=ngl, n_cpu_moe=c.n_cpu_moe, flash_attn=c.flash_attn.value,
+                            kv_cache_type=c.kv_cache_type, verbose=c.verbose)
         self.llm = LlamaCppModel(self.gguf_path, params)
-        if o["n_ctx"] is None and self.llm.n_ctx > self.llm.n_ctx_train > 0:
+        if c.n_ctx is None and self.llm.n_ctx > self.llm.n_ctx_train > 0:
             self.llm.new_context(_round_up(self.llm.n_ctx_train), DEFAULT_SEQS)
 
     def _ensure_context(self, request: GenerationRequest) -> bool:
         """Grow the context if the request needs more cells or sequences. True if rebuilt."""
         width = max(1, int(request.beam_width))
         need = len(request.input_ids) + width * int(request.max_new_tokens) + 1
-        if self.options["n_ctx"] is not None:
+        if self.config.n_ctx is not None:
             if need > self.llm.n_ctx:
                 raise ValueError(f"request needs {need} KV-cache cells but system.n_ctx={self.llm.n_ctx}")
             if width > self.llm.n_seq_max:
@@ -180,7 +142,7 @@ class LlamaCppAdapter(SystemAdapter):
         return self.llm.prefill(list(input_ids), all_logits=True)
 
     def info(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"options": dict(self.options), "threads": self.threads}
+        out: dict[str, Any] = {"options": self.config.to_dict(), "threads": self.threads}
         try:
             out["llama_cpp_python_version"] = convert.llama_cpp_python_version()
         except SystemUnavailable:

@@ -3,8 +3,8 @@ a per-layer LRU expert cache on the GPU plus speculative prefetch with the next 
 re-implemented as an executor of fiddler's engine (the original is a research repository, not a package).
 """
 
-from .executor import (DEFAULT_CACHE_SIZE, OffloadingExecutor, OffloadStats, derive_cache_size, load_engine,
-                       make_executor_factory)
+from .executor import (DEFAULT_CACHE_SIZE, MixtralOffloadingPolicy, OffloadingExecutor, OffloadStats,
+                       derive_cache_size, load_engine)
 
-__all__ = ["DEFAULT_CACHE_SIZE", "OffloadingExecutor", "OffloadStats", "derive_cache_size", "load_engine",
-           "make_executor_factory"]
+__all__ = ["DEFAULT_CACHE_SIZE", "MixtralOffloadingPolicy", "OffloadingExecutor", "OffloadStats", "derive_cache_size",
+           "load_engine"]

@@ -4,42 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from baselines.base import SystemUnavailable
-from baselines.fiddler_engine.adapter import FiddlerAdapter
+from baselines.engine_adapter import EngineAdapter
+
+from .config import MixtralOffloadingConfig
 
 
-def _enum_value(v):
-    return getattr(v, "value", v)
+class MixtralOffloadingAdapter(EngineAdapter):
+    config: MixtralOffloadingConfig
 
+    def executor_factory(self):
+        from .executor import MixtralOffloadingPolicy
 
-class MixtralOffloadingAdapter(FiddlerAdapter):
-    def load(self) -> None:
-        import torch
-
-        from .executor import DEFAULT_CACHE_SIZE, load_engine
-
-        quantize = bool(self.options.get("quantize", False))
-        if quantize:
+        c = self.config
+        if c.quantize:
             from .quant import require_hqq
 
             require_hqq()  # SystemUnavailable with the reason when hqq is missing or cannot run here
-        threads = self.options.get("cpu_threads") or self.ctx.threads
-        budget, self.budget_source = self.gpu_budget()
-        self.engine = load_engine(
-            self.model.path, dtype=getattr(torch, self.model.dtype), gpu_budget_bytes=budget,
-            cache_size=self.options.get("cache_size"), prefetch=bool(self.options.get("prefetch", True)),
-            prefetch_k=self.options.get("prefetch_k"),
-            prefetch_input=_enum_value(self.options.get("prefetch_input", "residual")), quantize=quantize,
-            default_cache_size=int(self.options.get("default_cache_size") or DEFAULT_CACHE_SIZE),
-            budget_source=self.budget_source, cpu_threads=threads, max_seq_len=self.ctx.max_seq_len,
-            max_batch=self.ctx.max_batch,
-        )
+        return MixtralOffloadingPolicy(cache_size=c.cache_size, prefetch=c.prefetch, prefetch_k=c.prefetch_k,
+                                       prefetch_input=c.prefetch_input.value, quantize=c.quantize,
+                                       default_cache_size=c.default_cache_size, budget_source=self.budget_source)
 
     def info(self) -> dict[str, Any]:
         d = super().info()
         d["reimplementation"] = ("Mixtral-Offloading's policy re-implemented in fiddler's engine (the original, "
                                  "dvmazur/mixtral-offloading, is a research repository, not a package)")
         return d
-
-
-__all__ = ["MixtralOffloadingAdapter", "SystemUnavailable"]

@@ -33,16 +33,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fiddler.executor import begin_forward, expert_counts, torch_expert
+from fiddler.executors import (COPY, GPU, BuildContext, CopyIn, ExpertExecutor, ExpertGroups, ExpertWeights, GpuSide,
+                               SlotOutputs, StatsBase, kind_counter, torch_expert)
 from fiddler.model import rms_norm
 from fiddler.placement import reservation
-from fiddler.planner import COPY, GPU, KINDS
-from fiddler.weights import ExpertWeights
 
-#: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo
-#: offloads 4-6 of Mixtral's 8 experts per layer; 2 resident of 8 is the "offload 6" setting.
-DEFAULT_CACHE_SIZE = 2
-PREFETCH_INPUTS = ("residual", "moe_input")
+from .config import DEFAULT_CACHE_SIZE, PrefetchInput
+
+PREFETCH_INPUTS = tuple(p.value for p in PrefetchInput)
 
 
 # ---------------------------------------------------------------------------- expert storage
@@ -60,6 +58,9 @@ class DenseExpertCodec:
 
     def forward(self, tensors: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return torch_expert(ExpertWeights(*tensors), x)
+
+    def nbytes(self, config) -> int:
+        return int(config.expert_bytes(self.dtype))
 
     def info(self) -> dict[str, Any]:
         return {"experts": "unquantized", "dtype": str(self.dtype).replace("torch.", "")}
@@ -88,24 +89,17 @@ def derive_cache_size(config, dtype: torch.dtype, budget_bytes: int, *, max_seq_
 
 # ---------------------------------------------------------------------------- stats
 
-def _kinds() -> dict[str, int]:
-    return {k: 0 for k in KINDS}
-
-
 @dataclass
-class LayerCacheStats:
+class LayerCacheStats(StatsBase):
     calls: int = 0
     hits: int = 0
     misses: int = 0
     prefetch_copies: int = 0
     prefetch_hits: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
 
 @dataclass
-class OffloadStats:
+class OffloadStats(StatsBase):
     """Counters since the last reset. hits/misses count (layer call, distinct routed expert) lookups
     (the original's per-group counters); token_hits counts routed (token, expert) pairs served by a cached
     expert. prefetch_hits: prefetched experts later used while still cached (once per prefetch);
@@ -129,13 +123,19 @@ class OffloadStats:
     copy_s: float = 0.0  # host-measured time of synchronous copies (CPU device only; on CUDA they are async)
     prefetch_s: float = 0.0  # host time in the prefetch hook (guess + copies on the CPU device)
     wall_s: float = 0.0  # host time in forward
-    tokens: dict[str, int] = field(default_factory=_kinds)
-    experts: dict[str, int] = field(default_factory=_kinds)
+    tokens: dict[str, int] = field(default_factory=kind_counter)
+    experts: dict[str, int] = field(default_factory=kind_counter)
     layers: list[LayerCacheStats] = field(default_factory=list)
+
+    derived = ("bytes_copied", "bytes_h2d", "hit_rate", "gpu_hit_rate", "prefetch_accuracy")
 
     @property
     def bytes_copied(self) -> int:
         return self.bytes_copied_demand + self.bytes_copied_prefetch
+
+    @property
+    def bytes_h2d(self) -> int:
+        return self.bytes_copied
 
     @property
     def hit_rate(self) -> float | None:
@@ -151,30 +151,16 @@ class OffloadStats:
     def prefetch_accuracy(self) -> float | None:
         return self.prefetch_hits / self.prefetch_copies if self.prefetch_copies else None
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in vars(self).items() if k not in ("tokens", "experts", "layers")}
-        d.update(bytes_copied=self.bytes_copied, bytes_h2d=self.bytes_copied, hit_rate=self.hit_rate,
-                 gpu_hit_rate=self.gpu_hit_rate, prefetch_accuracy=self.prefetch_accuracy,
-                 tokens=dict(self.tokens), experts=dict(self.experts), layers=[l.to_dict() for l in self.layers])
-        return d
-
-    # mapping-style access, like fiddler's ExecutorStats (the engine turns stats into plain dicts)
-    def items(self):
-        return self.to_dict().items()
-
-    def __getitem__(self, key: str):
-        return self.to_dict()[key]
-
 
 # ---------------------------------------------------------------------------- executor
 
-class OffloadingExecutor:
-    """LRU expert cache on the GPU side + speculative prefetch. Same contract as fiddler's MoEExecutor:
-    forward(layer, x, topk_idx, topk_w) -> Tensor, .stats, .reset_stats(), .info()."""
+class OffloadingExecutor(ExpertExecutor):
+    """LRU expert cache on the GPU side + speculative prefetch (fiddler.executors.ExpertExecutor)."""
 
     def __init__(self, config, experts: list[list[ExpertWeights]], *, device, dtype: torch.dtype, cache_size: int,
                  cache_size_source: str, prefetch: bool = True, prefetch_k: int | None = None,
-                 prefetch_input: str = "residual", codec=None, cache_size_detail: dict | None = None):
+                 prefetch_input: str = "residual", codec=None, cache_size_detail: dict | None = None,
+                 quantize_attention: bool = False):
         L, E = config.num_layers, config.num_experts
         if len(experts) != L or any(len(layer) != E for layer in experts):
             raise ValueError(f"experts must be [{L} layers][{E} experts], got "
@@ -212,41 +198,35 @@ class OffloadingExecutor:
                 od[e] = s
             self.lru.append(od)
         self.prefetched: list[set[int]] = [set() for _ in range(L)]
+        self.copy_in = CopyIn(self.device, L * cache_size)  # slot s of layer l is copy slot l * cache_size + s
         if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)
-            self._ready = [[torch.cuda.Event() for _ in range(cache_size)] for _ in range(L)]
-            self._free = [[torch.cuda.Event() for _ in range(cache_size)] for _ in range(L)]
             torch.cuda.synchronize(self.device)
 
-        # Router of every layer, bound from the model after it is built (bind_model).
-        self._router: list[tuple[torch.Tensor, Callable]] | None = None
-        self._eps = float(getattr(config, "rms_norm_eps", 1e-5))
+        # Every layer's post-attention norm and router, bound from the model (bind_model).
+        self.layers = None
+        self.quantizes_attention = quantize_attention
+        self.attention_quantization: dict[str, Any] | None = None
         self.trace: list[dict[str, Any]] | None = None
         self.trace_start: list[list[int]] | None = None
-        self.recorder = None
         self.stats = OffloadStats()
         self.reset_stats()
 
     # ------------------------------------------------------------------ wiring
 
     def bind_model(self, model) -> None:
-        """Give the prefetcher the model's per-layer post-attention RMSNorm and router (gate). Called by
-        `load_engine` right after the engine is built; prefetch is impossible without it."""
-        # fiddler.model layers are tuples (input_norm, <attention projections>..., post_norm, gate)
-        self._router = [(layer[-2], layer[-1]) for layer in model.layers]
-        self._eps = float(model.cfg.rms_norm_eps)
-        if len(self._router) != self.config.num_layers:
-            raise ValueError(f"model has {len(self._router)} layers, the executor {self.config.num_layers}")
+        """Engine hook: keep the model's decoder layers (the prefetcher applies the next layer's post-attention
+        RMSNorm and router) and, with quantize_attention, replace their attention projections by HQQ ones
+        (the engine calls this before it drops the dense weight copies the CPU kernel does not need)."""
+        if len(model.layers) != self.config.num_layers:
+            raise ValueError(f"model has {len(model.layers)} layers, the executor {self.config.num_layers}")
+        self.layers = model.layers
+        if self.quantizes_attention:
+            from .quant import quantize_attention
+
+            self.attention_quantization = quantize_attention(model)
 
     def reset_stats(self) -> None:
         self.stats = OffloadStats(layers=[LayerCacheStats() for _ in range(self.config.num_layers)])
-
-    def attach_recorder(self, recorder=None):
-        """Record every layer's routing into a fiddler.popularity.PopularityRecorder (profile scripts)."""
-        from fiddler.popularity import PopularityRecorder
-
-        self.recorder = recorder or PopularityRecorder.for_config(self.config)
-        return self.recorder
 
     def start_trace(self) -> None:
         """Record every layer call from now on (routing, hits, misses, computed experts, prefetches), with
@@ -275,6 +255,7 @@ class OffloadingExecutor:
             "prefetch_k_effective": min(self.prefetch_k, self.cache_size), "prefetch_input": self.prefetch_input,
             "prefetch_copies_on": ("side CUDA stream" if self.cuda else "calling thread, synchronous (CPU device)"),
             "quantization": self.codec.info(),
+            "attention_quantization": self.attention_quantization,
         }
 
     # ------------------------------------------------------------------ cache mechanics
@@ -288,27 +269,17 @@ class OffloadingExecutor:
         return slot
 
     def _copy_in(self, layer: int, e: int, slot: int) -> None:
-        """Copy expert (layer, e) from host memory into `slot`. On CUDA asynchronous on the copy stream,
-        after the last compute that read the slot; the compute that uses it waits for the copy."""
-        dsts, srcs = self.slots[layer][slot], self.host[layer][e]
-        if self.cuda:
-            self.copy_stream.wait_event(self._free[layer][slot])
-            with torch.cuda.stream(self.copy_stream):
-                for dst, src in zip(dsts, srcs):
-                    dst.copy_(src, non_blocking=True)
-                self._ready[layer][slot].record(self.copy_stream)
-        else:
-            t0 = time.perf_counter()
-            for dst, src in zip(dsts, srcs):
-                dst.copy_(src)
+        """Copy expert (layer, e) from host memory into `slot` (asynchronous on CUDA, see CopyIn)."""
+        t0 = time.perf_counter()
+        self.copy_in.copy(layer * self.cache_size + slot, self.slots[layer][slot], self.host[layer][e])
+        if not self.cuda:
             self.stats.copy_s += time.perf_counter() - t0
 
     def _compute(self, layer: int, slot: int, x: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._ready[layer][slot])
+        s = layer * self.cache_size + slot
+        self.copy_in.acquire(s)
         y = self.codec.forward(self.slots[layer][slot], x)
-        if self.cuda:
-            self._free[layer][slot].record(torch.cuda.current_stream(self.device))
+        self.copy_in.release(s)
         return y
 
     # ------------------------------------------------------------------ forward
@@ -317,27 +288,17 @@ class OffloadingExecutor:
         """sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) for every token t; x [T, H], topk_* [T, K]."""
         t_start = time.perf_counter()
         T, K = topk_idx.shape
-        E = self.config.num_experts
-        begin_forward(self, layer, x, topk_idx)
-        flat = topk_idx.reshape(-1)
-        counts = expert_counts(flat, E, layer)
-        active = [e for e in range(E) if counts[e]]
+        self.begin_forward(layer, x, topk_idx)
+        groups = ExpertGroups(topk_idx, self.config.num_experts, layer)
+        counts, active = groups.counts, groups.active()
         cache, st, ls = self.lru[layer], self.stats, self.stats.layers[layer]
         hits = [e for e in active if e in cache]
         misses = [e for e in active if e not in cache]
-
-        # Group (token, slot) pairs by expert, tokens in order within an expert.
-        order = torch.argsort(flat, stable=True)
-        offs = [0]
-        for n in counts:
-            offs.append(offs[-1] + n)
-        out_slots = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
+        combined = SlotOutputs(x, K)
 
         def run(e: int, slot: int) -> None:
-            sel = order[offs[e]:offs[e + 1]]
-            t_e, s_e = sel // K, sel % K
-            y = self._compute(layer, slot, x.index_select(0, t_e))
-            out_slots[t_e, s_e] = y * topk_w[t_e, s_e].unsqueeze(-1)
+            t_e, s_e = groups.pairs(e)
+            combined.put(t_e, s_e, self._compute(layer, slot, x.index_select(0, t_e)), topk_w)
 
         # Hits first (marked most recently used), then each miss evicts the LRU slot and is copied in.
         for e in hits:
@@ -353,7 +314,7 @@ class OffloadingExecutor:
             self._copy_in(layer, e, slot)
             cache[e] = slot
             run(e, slot)
-        out = out_slots.sum(dim=1)
+        out = combined.sum()
 
         n_hit_tok = sum(counts[e] for e in hits)
         st.calls += 1
@@ -380,7 +341,7 @@ class OffloadingExecutor:
         return out
 
     def after_moe(self, layer: int, x: torch.Tensor) -> None:
-        """Engine hook (fiddler.model): the residual stream right after layer `layer`'s MoE output was added."""
+        """Model hook: the residual stream right after layer `layer`'s MoE output was added."""
         if self.prefetch and self.prefetch_input == "residual":
             self._prefetch_next(layer, x, normed=False)
 
@@ -389,12 +350,11 @@ class OffloadingExecutor:
     def guess_next(self, layer: int, x: torch.Tensor, normed: bool) -> list[int]:
         """The next layer's likely experts: its router applied to this layer's hidden state; over several
         tokens, the experts with the largest summed routing probability. Most likely first."""
-        if self._router is None:
-            raise RuntimeError("prefetch needs the model's routers: build the engine with "
-                               "baselines.mixtral_offloading.load_engine (or call executor.bind_model(model))")
-        norm, gate = self._router[layer + 1]
-        h = x if normed else rms_norm(x, norm, self._eps)
-        probs = torch.softmax(gate(h).float(), dim=-1)
+        if self.layers is None:
+            raise RuntimeError("prefetch needs the model's routers: the engine calls executor.bind_model(model)")
+        nxt = self.layers[layer + 1]
+        h = x if normed else rms_norm(x, nxt.post_norm, self.config.rms_norm_eps)
+        probs = torch.softmax(nxt.router(h).float(), dim=-1)
         score = probs.sum(dim=0)
         k = min(self.prefetch_k, self.cache_size, self.config.num_experts)
         return torch.topk(score, k).indices.tolist()
@@ -426,9 +386,6 @@ class OffloadingExecutor:
             self.trace.append({"layer": nxt, "prefetch_from": layer, "guesses": guesses, "prefetched": copied})
         st.prefetch_s += time.perf_counter() - t0
 
-    def close(self) -> None:
-        pass
-
 
 # ---------------------------------------------------------------------------- factory + engine
 
@@ -448,52 +405,52 @@ def choose_cache_size(config, dtype: torch.dtype, *, cache_size: int | None, gpu
     return min(int(default), E), f"default {default} per layer (no cache_size option and no GPU budget)", {}
 
 
-def make_executor_factory(*, cache_size: int | None = None, prefetch: bool = True, prefetch_k: int | None = None,
-                          prefetch_input: str = "residual", quantize: bool = False,
-                          default_cache_size: int = DEFAULT_CACHE_SIZE, budget_source: str = "gpu_budget_bytes",
-                          codec_factory: Callable | None = None) -> Callable:
-    """An executor factory with fiddler.executor.build_executor's signature, for
-    Engine.from_pretrained(..., executor_factory=...). Placement, planner and latency-model arguments
-    are accepted and ignored: this policy has none. quantize=True stores experts HQQ 2-bit (group 16)."""
+@dataclass(frozen=True)
+class MixtralOffloadingPolicy:
+    """Factory of the policy's executor (fiddler.executors.ExecutorFactory) for
+    Engine.from_pretrained(..., executor=...). The cache size is the `cache_size` option, else derived from
+    the GPU side's budget, else `default_cache_size`. quantize=True stores experts HQQ 2-bit (group 16) and
+    quantizes attention 4-bit (group 64) when the engine binds the model. `budget_source` says in info()
+    where the GPU budget came from."""
 
-    def factory(config, experts, *, device, gpu_budget_bytes=None, max_seq_len, max_batch, dtype=None,
-                **_ignored) -> OffloadingExecutor:
-        dtype = dtype or experts[0][0].w1.dtype
-        if codec_factory is not None:
-            codec = codec_factory(dtype, torch.device(device))
-        elif quantize:
+    cache_size: int | None = None
+    prefetch: bool = True
+    prefetch_k: int | None = None
+    prefetch_input: str = "residual"
+    quantize: bool = False
+    default_cache_size: int = DEFAULT_CACHE_SIZE
+    budget_source: str = "GpuSide.budget_bytes"
+    codec_factory: Callable | None = None  # (dtype, device) -> codec; overrides `quantize` for experts
+
+    def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights]]) -> OffloadingExecutor:
+        device = ctx.gpu.device
+        if self.codec_factory is not None:
+            codec = self.codec_factory(ctx.dtype, device)
+        elif self.quantize:
             from .quant import HQQExpertCodec
 
-            codec = HQQExpertCodec(dtype, torch.device(device))
+            codec = HQQExpertCodec(ctx.dtype, device)
         else:
-            codec = DenseExpertCodec(dtype)
-        eb = codec.nbytes(config) if hasattr(codec, "nbytes") else int(config.expert_bytes(dtype))
-        size, source, detail = choose_cache_size(config, dtype, cache_size=cache_size,
-                                                 gpu_budget_bytes=gpu_budget_bytes, budget_source=budget_source,
-                                                 max_seq_len=max_seq_len, max_batch=max_batch, expert_bytes=eb,
-                                                 default=default_cache_size)
-        return OffloadingExecutor(config, experts, device=device, dtype=dtype, cache_size=size,
-                                  cache_size_source=source, cache_size_detail=detail, prefetch=prefetch,
-                                  prefetch_k=prefetch_k, prefetch_input=prefetch_input, codec=codec)
+            codec = DenseExpertCodec(ctx.dtype)
+        size, source, detail = choose_cache_size(ctx.config, ctx.dtype, cache_size=self.cache_size,
+                                                 gpu_budget_bytes=ctx.gpu.budget_bytes,
+                                                 budget_source=self.budget_source, max_seq_len=ctx.max_seq_len,
+                                                 max_batch=ctx.max_batch, expert_bytes=codec.nbytes(ctx.config),
+                                                 default=self.default_cache_size)
+        return OffloadingExecutor(ctx.config, experts, device=device, dtype=ctx.dtype, cache_size=size,
+                                  cache_size_source=source, cache_size_detail=detail, prefetch=self.prefetch,
+                                  prefetch_k=self.prefetch_k, prefetch_input=self.prefetch_input, codec=codec,
+                                  quantize_attention=self.quantize)
 
-    return factory
 
+def load_engine(path, *, gpu: GpuSide | None = None, **options_and_engine_kwargs):
+    """fiddler.Engine running the Mixtral-Offloading policy. Keyword arguments that are fields of
+    MixtralOffloadingPolicy configure the policy; the others go to Engine.from_pretrained."""
+    from dataclasses import fields
 
-def load_engine(path, *, cache_size: int | None = None, prefetch: bool = True, prefetch_k: int | None = None,
-                prefetch_input: str = "residual", quantize: bool = False,
-                default_cache_size: int = DEFAULT_CACHE_SIZE, budget_source: str = "gpu_budget_bytes",
-                **engine_kwargs):
-    """fiddler.Engine running the Mixtral-Offloading policy: builds the executor through the engine's
-    executor_factory, binds the routers for prefetch and (quantize=True) HQQ-quantizes attention."""
     from fiddler.engine import Engine
 
-    factory = make_executor_factory(cache_size=cache_size, prefetch=prefetch, prefetch_k=prefetch_k,
-                                    prefetch_input=prefetch_input, quantize=quantize,
-                                    default_cache_size=default_cache_size, budget_source=budget_source)
-    engine = Engine.from_pretrained(path, executor_factory=factory, **engine_kwargs)
-    engine.executor.bind_model(engine.model)
-    if quantize:
-        from .quant import quantize_attention
-
-        engine._info["attention_quantization"] = quantize_attention(engine.model)
-    return engine
+    names = {f.name for f in fields(MixtralOffloadingPolicy)}
+    policy = MixtralOffloadingPolicy(**{k: v for k, v in options_and_engine_kwargs.items() if k in names})
+    engine_kwargs = {k: v for k, v in options_and_engine_kwargs.items() if k not in names}
+    return Engine.from_pretrained(path, gpu=gpu, executor=policy, **engine_kwargs)

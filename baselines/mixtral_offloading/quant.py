@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from baselines.base import SystemUnavailable
-from fiddler.weights import ExpertWeights
+from fiddler.executors import ExpertWeights, torch_expert
 
 EXPERT_BITS, EXPERT_GROUP = 2, 16
 ATTN_BITS, ATTN_GROUP = 4, 64
@@ -89,13 +88,12 @@ class HQQExpertCodec:
         return ws
 
     def forward(self, tensors: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self.dequantize(tensors)
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        return torch_expert(ExpertWeights(*self.dequantize(tensors)), x)
 
     def nbytes(self, config) -> int:
         """Bytes of one quantized expert: packed weights (nbits per parameter) + a scale and a zero per group."""
         params = config.expert_params()
-        return params * self.nbits // 8 + 2 * (params // self.group_size) * torch.empty((), dtype=self.dtype).element_size()
+        return params * self.nbits // 8 + 2 * (params // self.group_size) * self.dtype.itemsize
 
     def info(self) -> dict[str, Any]:
         return {"experts": f"hqq {self.nbits}-bit, group {self.group_size}", "hqq_version": _version(),
@@ -128,21 +126,21 @@ class HQQAttentionLinear:
 
 
 def quantize_attention(model, nbits: int = ATTN_BITS, group_size: int = ATTN_GROUP) -> dict[str, Any]:
-    """Replace the attention projections of every layer of a fiddler MoETransformer (the Linears between
-    the input norm and the post-attention norm: q, k, v, o, or a fused qkv and o) by HQQ linears."""
+    """Replace the attention projections (fused qkv and o) of every layer of a fiddler MoETransformer by HQQ
+    linears. Needs the dense weights: the engine calls the executor's bind_model hook (which calls this)
+    before it drops the copies the CPU kernel does not need."""
     hq = require_hqq()
-    dense = quant = 0
-    layers = []
+    sizes = {"dense": 0, "quantized": 0}
+
+    def quantized(w: torch.Tensor) -> HQQAttentionLinear:
+        h = HQQAttentionLinear(w, hq, nbits, group_size)
+        sizes["dense"] += w.numel() * w.element_size()
+        sizes["quantized"] += h.nbytes
+        return h
+
     for layer in model.layers:
-        n1, *attn, n2, gate = layer
-        new = []
-        for lin in attn:
-            dense += lin.weight.numel() * lin.weight.element_size()
-            h = HQQAttentionLinear(lin.weight, hq, nbits, group_size)
-            quant += h.nbytes
-            new.append(h)
-        layers.append((n1, *new, n2, gate))
-    model.layers = layers
+        layer.qkv_proj = quantized(layer.qkv_proj.weight)
+        layer.o_proj = quantized(layer.o_proj.weight)
+    dense, quant = sizes["dense"], sizes["quantized"]
     return {"attention": f"hqq {nbits}-bit, group {group_size}", "hqq_version": _version(),
-            "projections_per_layer": len(layers[0]) - 3 if layers else 0,
-            "dense_bytes": dense, "quantized_bytes": quant}
+            "projections_per_layer": 2, "dense_bytes": dense, "quantized_bytes": quant}

@@ -1,4 +1,4 @@
-"""Runs one MoE layer's experts according to a plan: the Fiddler orchestration.
+"""Fiddler's executor: runs one MoE layer's experts according to a plan (the CPU-GPU orchestration).
 
 Per layer and step: count the tokens routed to each expert, ask the planner for a decision per expert
 (a: resident on the GPU, b: copy weights in then run on the GPU, c: run on the CPU), then
@@ -6,12 +6,11 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
   expert runs with the packed C++ kernel (bf16; it releases the GIL) or a torch fallback;
 - meanwhile the calling thread runs the GPU queue: resident experts first, then copied-in experts
   through a double buffer (on CUDA the copy of the next expert overlaps the current one's compute);
-- outputs are combined like transformers' Mixtral (grouped_mm / batched_mm experts, the 5.x default):
-  each (token, slot) output is y * w in the model dtype, then summed over the top-k slots.
+- outputs are combined like transformers' Mixtral (routing.SlotOutputs).
 
-Without CUDA the "GPU side" is the CPU device, so placement, plans, buffer copies and combination run
-the same code (the copy is a real memcpy); the two queues then either split the cores between them or
-run one after the other with all cores (`overlap`), never both on all cores at once.
+Without CUDA the "GPU side" is the CPU device (GpuSide "emulated"), so placement, plans, buffer copies and
+combination run the same code (the copy is a real memcpy); the two queues then either split the cores
+between them or run one after the other with all cores (`overlap`), never both on all cores at once.
 """
 
 from __future__ import annotations
@@ -22,27 +21,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from . import hardware
-from .latency import LatencyModel, calibrate
-from .placement import COPY_BUFFERS, Placement, parse_placement, place
-from .planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
-from .popularity import Popularity, PopularityRecorder
-from .weights import ExpertWeights
-
-
-def _kernels():
-    try:
-        from . import kernels
-    except Exception:  # noqa: BLE001 -- a broken build leaves the torch path working
-        return None
-    return kernels if getattr(kernels, "is_available", lambda: False)() else None
-
-
-def torch_expert(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert, op for op as transformers' Mixtral experts: (silu(x W1^T) * (x W3^T)) W2^T."""
-    return F.linear(F.silu(F.linear(x, w.w1)) * F.linear(x, w.w3), w.w2)
+from .. import hardware
+from ..gpu_side import GpuSide
+from ..kernel_loader import load_kernels
+from ..latency import LatencyModel, calibrate
+from ..placement import COPY_BUFFERS, Placement, parse_placement, place
+from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
+from ..popularity import Popularity
+from ..weights import ExpertWeights
+from .contract import BuildContext, ExpertExecutor, StatsBase
+from .copy_in import CopyIn
+from .ffn import torch_expert
+from .routing import ExpertGroups, SlotOutputs
 
 
 def _host_memory_for(nbytes: int) -> bool:
@@ -55,7 +46,7 @@ def _host_memory_for(nbytes: int) -> bool:
         return True
 
 
-def _empty_expert(config, dtype, device) -> ExpertWeights:
+def empty_expert(config, dtype, device) -> ExpertWeights:
     F_, H = config.intermediate_size, config.hidden_size
     return ExpertWeights(torch.empty(F_, H, dtype=dtype, device=device), torch.empty(F_, H, dtype=dtype, device=device),
                          torch.empty(H, F_, dtype=dtype, device=device))
@@ -63,28 +54,24 @@ def _empty_expert(config, dtype, device) -> ExpertWeights:
 
 # ---------------------------------------------------------------------------- stats
 
-def _kind_counter() -> dict[str, int]:
+def kind_counter() -> dict[str, int]:
+    """Zero per decision kind (a, b, c)."""
     return {k: 0 for k in KINDS}
 
 
 @dataclass
-class LayerStats:
+class LayerStats(StatsBase):
     calls: int = 0
-    tokens: dict[str, int] = field(default_factory=_kind_counter)
-    experts: dict[str, int] = field(default_factory=_kind_counter)
+    tokens: dict[str, int] = field(default_factory=kind_counter)
+    experts: dict[str, int] = field(default_factory=kind_counter)
     predicted_s: float = 0.0
     wall_s: float = 0.0
     cpu_queue_s: float = 0.0
     last_decisions: tuple = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "tokens": dict(self.tokens), "experts": dict(self.experts),
-                "predicted_s": self.predicted_s, "wall_s": self.wall_s, "cpu_queue_s": self.cpu_queue_s,
-                "last_decisions": list(self.last_decisions)}
-
 
 @dataclass
-class ExecutorStats:
+class FiddlerStats(StatsBase):
     """Counters since the last reset. `tokens` counts routed (token, expert) pairs and `experts` expert
     invocations, per decision kind; gpu_hit_rate = share of routed pairs served by resident experts.
     predicted_s sums the planner's predicted makespans, wall_s the measured (host) time in forward,
@@ -92,8 +79,8 @@ class ExecutorStats:
 
     calls: int = 0
     routed_tokens: int = 0
-    tokens: dict[str, int] = field(default_factory=_kind_counter)
-    experts: dict[str, int] = field(default_factory=_kind_counter)
+    tokens: dict[str, int] = field(default_factory=kind_counter)
+    experts: dict[str, int] = field(default_factory=kind_counter)
     weight_copies: int = 0
     bytes_h2d_weights: int = 0
     bytes_d2h_activations: int = 0
@@ -103,6 +90,8 @@ class ExecutorStats:
     cpu_queue_s: float = 0.0
     layers: list[LayerStats] = field(default_factory=list)
 
+    derived = ("gpu_hit_rate", "bytes_h2d")
+
     @property
     def gpu_hit_rate(self) -> float | None:
         return self.tokens[GPU] / self.routed_tokens if self.routed_tokens else None
@@ -111,102 +100,97 @@ class ExecutorStats:
     def bytes_h2d(self) -> int:
         return self.bytes_h2d_weights + self.bytes_h2d_activations
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "calls": self.calls, "routed_tokens": self.routed_tokens, "gpu_hit_rate": self.gpu_hit_rate,
-            "tokens": dict(self.tokens), "experts": dict(self.experts), "weight_copies": self.weight_copies,
-            "bytes_h2d": self.bytes_h2d, "bytes_h2d_weights": self.bytes_h2d_weights,
-            "bytes_h2d_activations": self.bytes_h2d_activations, "bytes_d2h_activations": self.bytes_d2h_activations,
-            "predicted_s": self.predicted_s, "wall_s": self.wall_s, "cpu_queue_s": self.cpu_queue_s,
-            "layers": [ls.to_dict() for ls in self.layers],
-        }
 
-    # mapping-style access, so callers that expect a stats dict (engine, records) work unchanged
-    def items(self):
-        return self.to_dict().items()
+# ---------------------------------------------------------------------------- threads
 
-    def __getitem__(self, key: str):
-        return self.to_dict()[key]
+@dataclass(frozen=True)
+class Threads:
+    """How the cores are shared. On CUDA the CPU queue gets every core (the calling thread only launches
+    GPU work). Without CUDA both queues run on the CPU: with overlap they run concurrently on disjoint
+    halves of the cores, without it one after the other with all cores."""
+
+    overlap: bool
+    all: int  # serial mode, and a CPU queue with nothing to overlap
+    cpu_queue: int
+    gpu_side: int | None  # torch threads of the calling thread while the CPU queue runs (None: unchanged)
+
+    @classmethod
+    def choose(cls, gpu: GpuSide, dtype: torch.dtype, cpu_threads: int | None, overlap: bool | None) -> Threads:
+        # fp32 is the exactness mode and MKL's fp32 GEMM rounding depends on the thread count, so on a CPU
+        # device fp32 runs the queues serially with all cores (bit-exact against a plain computation);
+        # bf16/fp16 overlap them (measure with scripts/bench_executor_overlap.py).
+        cores = hardware.cpu_cores()
+        if overlap is None:
+            overlap = gpu.is_cuda or dtype != torch.float32
+        overlap = bool(overlap) and gpu.has_gpu
+        all_threads = cpu_threads or cores
+        if overlap and not gpu.is_cuda:
+            cpu_queue = cpu_threads or max(1, cores // 2)
+            return cls(True, all_threads, cpu_queue, max(1, cores - cpu_queue))
+        return cls(overlap, all_threads, all_threads, None)
 
 
 # ---------------------------------------------------------------------------- executor
 
-def expert_counts(flat_idx: torch.Tensor, num_experts: int, layer: int) -> list[int]:
-    """Routed (token, slot) pairs per expert: the one host sync per layer. Rejects bad expert ids."""
-    counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
-    if len(counts) != num_experts:
-        raise ValueError(f"expert ids must be in [0, {num_experts}), got {len(counts) - 1} (layer {layer})")
-    return counts
-
-
-def begin_forward(executor, layer: int, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-    """What every executor's forward does first: check the activations' dtype, record the routing."""
-    if x.dtype != executor.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but the executor runs in {executor.dtype}")
-    if executor.recorder is not None:
-        executor.recorder.record(layer, topk_idx)
-
-
-class MoEExecutor:
-    def __init__(self, config, experts: list[list[ExpertWeights]], *, device: torch.device, dtype: torch.dtype,
-                 placement: Placement, planner: str, latency_model: LatencyModel | dict | None, has_gpu: bool,
-                 cpu_threads: int | None = None, overlap: bool | None = None, use_kernel: bool | None = None,
-                 calibration_tokens: int = 128, take_ownership: bool = False):
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
-        self.placement, self.has_gpu = placement, has_gpu
+class FiddlerExecutor(ExpertExecutor):
+    def __init__(self, config, experts: list[list[ExpertWeights | None]], *, gpu: GpuSide, dtype: torch.dtype,
+                 placement: Placement, planner: str, latency_model: LatencyModel | dict | None,
+                 threads: Threads, use_kernel: bool = True, calibration_tokens: int = 128,
+                 take_ownership: bool = False):
+        self.config, self.gpu, self.dtype = config, gpu, dtype
+        self.device = gpu.device
+        self.cuda = gpu.is_cuda
+        self.placement, self.threads = placement, threads
         L, E = config.num_layers, config.num_experts
         if len(experts) != L or any(len(layer) != E for layer in experts):
             raise ValueError(f"experts must be [{L} layers][{E} experts], got "
                              f"[{len(experts)}][{sorted({len(layer) for layer in experts})}]")
         if len(placement.resident) != L or any(len(r) != E for r in placement.resident):
             raise ValueError(f"placement is not {L} x {E}")
-        if not has_gpu and placement.num_resident:
+        if not gpu.has_gpu and placement.num_resident:
             raise ValueError("a placement with resident experts needs a GPU budget")
-        self.cuda = self.device.type == "cuda"
-        self.planner_name = planner if has_gpu else "cpu"
-        self._planner = get_planner(self.planner_name)
+        self.planner_name = planner if gpu.has_gpu else "cpu"
+        self.planner = get_planner(self.planner_name)
         self.expert_bytes = int(config.expert_bytes(dtype))
+        k = load_kernels()
+        self.kernel = k if (use_kernel and k is not None and dtype == torch.bfloat16) else None
+        # A decode row whose experts all run on the CPU goes to the kernel in one call (False: the general
+        # path, for comparisons)
+        self.fused_decode = True
+        self._take_experts(experts, take_ownership)
 
-        # Threads. On CUDA the CPU queue gets every core (the calling thread only launches GPU work).
-        # Without CUDA both queues run on the CPU: with overlap they run concurrently on disjoint halves
-        # of the cores, without it one after the other with all cores. Measured on the 2-core dev VM
-        # (scripts/bench_executor_overlap.py; shared and loaded, so noisy): overlap took 0.1-0.6x the serial
-        # time in bf16 in two runs (all-core kernel/OpenMP regions stall when another process holds a core);
-        # in fp32 0.14-0.8x in one run and 1.1-1.4x at 1-4 tokens in another. fp32 is the exactness mode and
-        # MKL's fp32 GEMM rounding depends on the thread count, so the CPU default is overlap for bf16/fp16
-        # and serial with all cores (bit-exact against a plain computation) for fp32.
-        cores = hardware.cpu_cores()
-        if overlap is None:
-            overlap = self.cuda or dtype != torch.float32
-        self.overlap = bool(overlap) and has_gpu
-        self.all_threads = cpu_threads or cores
-        if self.overlap and not self.cuda:
-            self.cpu_threads = cpu_threads or max(1, cores // 2)
-            self.gpu_side_threads: int | None = max(1, cores - self.cpu_threads)
-        else:
-            self.cpu_threads = self.all_threads
-            self.gpu_side_threads = None
+        # Double buffer for copied-in experts (kind b), allocated once; its size is in the reservation.
+        self.buffers: list[ExpertWeights] = []
+        if gpu.has_gpu and placement.num_resident < L * E:
+            self.buffers = [empty_expert(config, dtype, self.device) for _ in range(COPY_BUFFERS)]
+        self.copy_in = CopyIn(self.device, COPY_BUFFERS)
+        self._pool: ThreadPoolExecutor | None = None
+        self.stats = FiddlerStats()
+        self.reset_stats()
 
-        # Host experts: kind b copies from here, kind c runs from here (or from its packed copy).
+        if isinstance(latency_model, dict):
+            latency_model = LatencyModel.from_dict(latency_model)
+        if latency_model is None and gpu.has_gpu:
+            latency_model = self.calibrate(max_tokens=calibration_tokens)
+        self.latency_model = latency_model
+
+    def _take_experts(self, experts, take_ownership: bool) -> None:
+        """Host copies (kind b copies from them, kind c runs from them or from their packed copy), resident
+        copies on the device (on a CPU device: the host tensors themselves) and packed copies for the CPU
+        kernel. The packed copy duplicates the weights, so host copies nobody needs are dropped: resident
+        ones on CUDA, and all of them without a GPU (no kind b). With take_ownership the caller's list
+        entries are cleared too, so the memory is freed expert by expert instead of doubling at peak."""
+        L, E, dtype, has_gpu = self.config.num_layers, self.config.num_experts, self.dtype, self.gpu.has_gpu
         self.host: list[list[ExpertWeights | None]] = [
             [ExpertWeights(*(w if w.dtype == dtype else w.to(dtype) for w in (e.w1, e.w3, e.w2))) for e in layer]
             for layer in experts]
-        k = _kernels()
-        if use_kernel is None:
-            use_kernel = True
-        self.kernel = k if (use_kernel and k is not None and dtype == torch.bfloat16) else None
-        # Resident experts on the device (on a CPU device: the host tensors themselves, no copy). Every
-        # expert the CPU may run is packed once for the kernel. The packed copy duplicates the weights,
-        # so host copies nobody needs are dropped: resident ones on CUDA, and all of them without a GPU
-        # (no kind b). With take_ownership the caller's list entries are cleared too, so the memory is
-        # freed expert by expert instead of doubling at peak.
         self.resident: list[list[ExpertWeights | None]] = [[None] * E for _ in range(L)]
         self.packed: list[list[Any]] = [[None] * E for _ in range(L)]
         self.pack_skipped = 0  # experts left on the torch CPU path for lack of host memory
         for l in range(L):
             for e in range(E):
                 h = self.host[l][e]
-                if placement.resident[l][e]:
+                if self.placement.resident[l][e]:
                     self.resident[l][e] = ExpertWeights(*(w.to(self.device) for w in (h.w1, h.w3, h.w2)))
                     if self.cuda:
                         self.host[l][e] = None
@@ -220,49 +204,25 @@ class MoEExecutor:
                 if take_ownership:
                     experts[l][e] = None
 
-        # Double buffer for copied-in experts (kind b), allocated once; its size is in the reservation.
-        self.buffers: list[ExpertWeights] = []
-        if has_gpu and placement.num_resident < L * E:
-            self.buffers = [_empty_expert(config, dtype, self.device) for _ in range(COPY_BUFFERS)]
-        if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)
-            self._buf_ready = [torch.cuda.Event() for _ in range(COPY_BUFFERS)]
-            self._buf_free = [torch.cuda.Event() for _ in range(COPY_BUFFERS)]
-        self._pool: ThreadPoolExecutor | None = None
-        self.recorder: PopularityRecorder | None = None
-        self.stats = ExecutorStats()
-        self.reset_stats()
-
-        if isinstance(latency_model, dict):
-            latency_model = LatencyModel.from_dict(latency_model)
-        if latency_model is None and has_gpu:
-            latency_model = self.calibrate(max_tokens=calibration_tokens)
-        self.latency_model = latency_model
-
     # ------------------------------------------------------------------ bookkeeping
 
     def reset_stats(self) -> None:
-        self.stats = ExecutorStats(layers=[LayerStats() for _ in range(self.config.num_layers)])
-
-    def attach_recorder(self, recorder: PopularityRecorder | None = None) -> PopularityRecorder:
-        """Record every layer's routing from now on (scripts/profile_popularity.py)."""
-        self.recorder = recorder or PopularityRecorder.for_config(self.config)
-        return self.recorder
+        self.stats = FiddlerStats(layers=[LayerStats() for _ in range(self.config.num_layers)])
 
     def info(self) -> dict[str, Any]:
-        k = self.kernel
+        k, th = self.kernel, self.threads
         return {
-            "executor": "fiddler.executor.MoEExecutor",
-            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "has_gpu": self.has_gpu,
-            "gpu_side": "cuda" if self.cuda else ("cpu (emulated GPU)" if self.has_gpu else None),
+            "executor": f"{__name__}.FiddlerExecutor",
+            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "has_gpu": self.gpu.has_gpu,
+            "gpu_side": self.gpu.describe(),
             "placement": self.placement.to_dict(),
             "planner": self.planner_name,
             "latency_model": self.latency_model.to_dict() if self.latency_model is not None else None,
             "cpu_expert_path": f"kernel:{k.isa()}" if k is not None else "torch",
             "packed_experts": sum(p is not None for row in self.packed for p in row),
             "pack_skipped_low_memory": self.pack_skipped,
-            "overlap": self.overlap, "cpu_threads": self.cpu_threads, "gpu_side_threads": self.gpu_side_threads,
-            "all_threads": self.all_threads, "copy_buffers": len(self.buffers), "expert_bytes": self.expert_bytes,
+            "overlap": th.overlap, "cpu_threads": th.cpu_queue, "gpu_side_threads": th.gpu_side,
+            "all_threads": th.all, "copy_buffers": len(self.buffers), "expert_bytes": self.expert_bytes,
         }
 
     def close(self) -> None:
@@ -278,7 +238,7 @@ class MoEExecutor:
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            threads = self.cpu_threads
+            threads = self.threads.cpu_queue
             # torch.set_num_threads is per OS thread (OpenMP ICV, MKL thread-local), so only the worker changes.
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fiddler-cpu",
                                             initializer=lambda: torch.set_num_threads(threads))
@@ -288,7 +248,7 @@ class MoEExecutor:
 
     def _cpu_expert(self, layer: int, e: int, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
         """One expert on the CPU, x in host memory. The torch fallback uses the calling thread's torch
-        thread count (the worker's is cpu_threads)."""
+        thread count (the worker's is the CPU queue's)."""
         p = self.packed[layer][e]
         if p is not None:
             return p.forward(x, out=out, threads=threads)
@@ -308,86 +268,67 @@ class MoEExecutor:
         return y, time.perf_counter() - t0
 
     def _copy_in(self, layer: int, e: int, slot: int) -> ExpertWeights:
-        """Copy expert (layer, e) into buffer `slot` (kind b). On CUDA: asynchronous on the copy stream,
-        after the compute that last read this buffer; the compute stream waits for the copy."""
+        """Copy expert (layer, e) into buffer `slot` (kind b); compute issued next sees the copy."""
         buf, h = self.buffers[slot], self.host[layer][e]
-        if self.cuda:
-            self.copy_stream.wait_event(self._buf_free[slot])
-            with torch.cuda.stream(self.copy_stream):
-                for dst, src in zip((buf.w1, buf.w3, buf.w2), (h.w1, h.w3, h.w2)):
-                    dst.copy_(src, non_blocking=True)
-                self._buf_ready[slot].record(self.copy_stream)
-            torch.cuda.current_stream(self.device).wait_event(self._buf_ready[slot])
-        else:
-            for dst, src in zip((buf.w1, buf.w3, buf.w2), (h.w1, h.w3, h.w2)):
-                dst.copy_(src)
+        self.copy_in.copy(slot, (buf.w1, buf.w3, buf.w2), (h.w1, h.w3, h.w2))
+        self.copy_in.acquire(slot)
         self.stats.weight_copies += 1
         self.stats.bytes_h2d_weights += self.expert_bytes
         return buf
 
+    def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Rows for the CPU queue in host memory, and the CUDA event their copy completes (None on the CPU)."""
+        if x.device.type == "cpu":
+            return x, None
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stats.bytes_d2h_activations += x.numel() * x.element_size()
+        return host, ready
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) for every token t; x [T, H], topk_* [T, K]."""
         t_start = time.perf_counter()
         T, K = topk_idx.shape
-        E = self.config.num_experts
-        begin_forward(self, layer, x, topk_idx)
-        if (T == 1 and self.kernel is not None and x.device.type == "cpu" and x.is_contiguous()
+        self.begin_forward(layer, x, topk_idx)
+        if (T == 1 and self.fused_decode and self.kernel is not None and x.device.type == "cpu" and x.is_contiguous()
                 and topk_w.dtype == torch.bfloat16):
             out = self._decode_row_on_cpu(layer, x, topk_idx, topk_w, t_start)
             if out is not None:
                 return out
-        flat = topk_idx.reshape(-1)
-        counts = expert_counts(flat, E, layer)  # plans need counts
-        plan: LayerPlan = self._planner(counts, self.placement.resident[layer], self.latency_model)
-
-        # Group (token, slot) pairs by expert, tokens in order within an expert (a stable sort, as
-        # transformers' grouped path orders them).
-        order = torch.argsort(flat, stable=True)
-        offs = [0]
-        for n in counts:
-            offs.append(offs[-1] + n)
-        slots = torch.empty(T, K, x.shape[1], dtype=x.dtype, device=x.device)
+        groups = ExpertGroups(topk_idx, self.config.num_experts, layer)
+        plan: LayerPlan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
+        combined = SlotOutputs(x, K)
 
         # CPU queue first, so it overlaps everything below.
         cpu_experts = plan.experts(CPU)
         future = cpu_result = None
         if cpu_experts:
-            sel = torch.cat([order[offs[e]:offs[e + 1]] for e in cpu_experts])
-            t_c, s_c = sel // K, sel % K
-            x_c = x.index_select(0, t_c)
-            ready = None
-            if x_c.device.type != "cpu":
-                host = torch.empty(x_c.shape, dtype=x_c.dtype, pin_memory=True)
-                host.copy_(x_c, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
-                self.stats.bytes_d2h_activations += x_c.numel() * x_c.element_size()
-                x_c = host
-            sizes = [counts[e] for e in cpu_experts]
-            if self.overlap and len(cpu_experts) < sum(d is not None for d in plan.decisions):
+            t_c, s_c = groups.pairs_of(cpu_experts)
+            x_c, ready = self._to_host(x.index_select(0, t_c))
+            sizes = [groups.counts[e] for e in cpu_experts]
+            if self.threads.overlap and len(cpu_experts) < sum(d is not None for d in plan.decisions):
                 future = self._worker().submit(self._run_cpu_queue, layer, cpu_experts, sizes, x_c, ready,
-                                               self.cpu_threads)
+                                               self.threads.cpu_queue)
             else:  # nothing to overlap with (or serial mode): run here with every core
-                cpu_result = self._run_cpu_queue(layer, cpu_experts, sizes, x_c, ready, self.all_threads)
+                cpu_result = self._run_cpu_queue(layer, cpu_experts, sizes, x_c, ready, self.threads.all)
 
         # GPU queue: resident experts, then copied-in ones through the double buffer.
         prev_threads = None
-        if future is not None and self.gpu_side_threads is not None:
+        if future is not None and self.threads.gpu_side is not None:
             prev_threads = torch.get_num_threads()
-            torch.set_num_threads(self.gpu_side_threads)
+            torch.set_num_threads(self.threads.gpu_side)
         try:
             queue = [(e, None) for e in plan.experts(GPU)] + [(e, i % COPY_BUFFERS)
                                                               for i, e in enumerate(plan.experts(COPY))]
             for e, buf_slot in queue:
                 w = self.resident[layer][e] if buf_slot is None else self._copy_in(layer, e, buf_slot)
-                sel = order[offs[e]:offs[e + 1]]
-                t_e, s_e = sel // K, sel % K
-                y = torch_expert(w, x.index_select(0, t_e))
-                slots[t_e, s_e] = y * topk_w[t_e, s_e].unsqueeze(-1)
-                if self.cuda and buf_slot is not None:
-                    self._buf_free[buf_slot].record(torch.cuda.current_stream(self.device))
+                t_e, s_e = groups.pairs(e)
+                combined.put(t_e, s_e, torch_expert(w, x.index_select(0, t_e)), topk_w)
+                if buf_slot is not None:
+                    self.copy_in.release(buf_slot)
         finally:
             if prev_threads is not None:
                 torch.set_num_threads(prev_threads)
@@ -400,8 +341,8 @@ class MoEExecutor:
             if self.device.type != "cpu":
                 self.stats.bytes_h2d_activations += y_c.numel() * y_c.element_size()
                 y_c = y_c.to(self.device, non_blocking=True)
-            slots[t_c, s_c] = y_c * topk_w[t_c, s_c].unsqueeze(-1)
-        out = slots.sum(dim=1)
+            combined.put(t_c, s_c, y_c, topk_w)
+        out = combined.sum()
         self._account(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
         return out
 
@@ -409,7 +350,7 @@ class MoEExecutor:
                            t_start: float) -> torch.Tensor | None:
         """One token whose plan puts every routed expert on the CPU (always so without a GPU): all of
         them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
-        between experts), with the same roundings as the general path below. None: not this case."""
+        between experts), with the same roundings as the general path. None: not this case."""
         ids = topk_idx[0].tolist()
         E = self.config.num_experts
         counts = [0] * E
@@ -419,11 +360,11 @@ class MoEExecutor:
             counts[e] += 1
         if max(counts) > 1:
             return None  # a repeated id (not from top-k): the general path sums its slots
-        plan: LayerPlan = self._planner(counts, self.placement.resident[layer], self.latency_model)
+        plan: LayerPlan = self.planner(counts, self.placement.resident[layer], self.latency_model)
         packed = self.packed[layer]
         if any(d is not None and (d != CPU or packed[e] is None) for e, d in enumerate(plan.decisions)):
             return None
-        out = self.kernel.moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.all_threads)
+        out = self.kernel.moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
         wall = time.perf_counter() - t_start
         self._account(layer, plan, len(ids), wall, wall)
         return out
@@ -455,6 +396,7 @@ class MoEExecutor:
         and thread count included), the GPU-side expert and a weight copy into a copy buffer. Cached per
         (shape, dtype, device, threads) for the process."""
         H, F_ = self.config.hidden_size, self.config.intermediate_size
+        th = self.threads
         counts = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s <= max(1, max_tokens)]
         # Probe expert: a non-resident one if any (it is pre-packed), else layer 0 expert 0.
         pl, pe = next(((l, e) for l in range(self.config.num_layers) for e in range(self.config.num_experts)
@@ -470,7 +412,7 @@ class MoEExecutor:
             self.packed[pl][pe] = self.kernel.PackedExpert(h.w1, h.w3, h.w2)
         buffers_tmp = not self.buffers
         if buffers_tmp:  # everything resident: borrow buffers just to time a copy
-            self.buffers = [_empty_expert(self.config, self.dtype, self.device) for _ in range(COPY_BUFFERS)]
+            self.buffers = [empty_expert(self.config, self.dtype, self.device) for _ in range(COPY_BUFFERS)]
         gen = torch.Generator().manual_seed(0)
         xs = {s: torch.randn(s, H, generator=gen).to(self.dtype).to(self.device) for s in counts}
         sync = torch.cuda.synchronize if self.cuda else (lambda: None)
@@ -483,17 +425,17 @@ class MoEExecutor:
                 ready = torch.cuda.Event()
                 ready.record()
                 x = host
-            if self.overlap:
-                y, _ = self._worker().submit(self._run_cpu_queue, pl, [pe], [s], x, ready, self.cpu_threads).result()
+            if th.overlap:
+                y, _ = self._worker().submit(self._run_cpu_queue, pl, [pe], [s], x, ready, th.cpu_queue).result()
             else:
-                y, _ = self._run_cpu_queue(pl, [pe], [s], x, ready, self.all_threads)
+                y, _ = self._run_cpu_queue(pl, [pe], [s], x, ready, th.all)
             y.to(self.device)
             sync()
 
         def gpu_fn(s):
             prev = torch.get_num_threads()
-            if self.gpu_side_threads is not None:
-                torch.set_num_threads(self.gpu_side_threads)
+            if th.gpu_side is not None:
+                torch.set_num_threads(th.gpu_side)
             try:
                 torch_expert(self.buffers[0], xs[s])
             finally:
@@ -504,15 +446,15 @@ class MoEExecutor:
             self._copy_in(pl, pe, 1 % COPY_BUFFERS)
             sync()
 
-        key = (H, F_, str(self.dtype), str(self.device), self.cpu_threads, self.all_threads,
-               self.gpu_side_threads, self.overlap, self.kernel is not None, tuple(counts))
+        key = (H, F_, str(self.dtype), str(self.device), th.cpu_queue, th.all, th.gpu_side, th.overlap,
+               self.kernel is not None, tuple(counts))
         try:
             self._copy_in(pl, pe, 0)
             sync()
             lm = calibrate(cpu_fn, gpu_fn, copy_fn, token_counts=counts, repeats=repeats, cache_key=key,
                            meta={"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                                 "cpu_threads": self.cpu_threads, "gpu_side_threads": self.gpu_side_threads,
-                                 "overlap": self.overlap, "expert_bytes": self.expert_bytes,
+                                 "cpu_threads": th.cpu_queue, "gpu_side_threads": th.gpu_side,
+                                 "overlap": th.overlap, "expert_bytes": self.expert_bytes,
                                  "cpu_expert_path": f"kernel:{self.kernel.isa()}" if self.kernel else "torch",
                                  "gpu_side": "cuda" if self.cuda else "cpu (emulated GPU)"})
         finally:
@@ -526,34 +468,49 @@ class MoEExecutor:
         return lm
 
 
-def build_executor(config, experts: list[list[ExpertWeights]], *, device: torch.device, gpu_budget_bytes: int | None,
-                   max_seq_len: int, max_batch: int, placement: str | Placement = "popularity", popularity=None,
-                   planner: str = "makespan", latency_model=None, cpu_threads: int | None = None, seed: int = 0,
-                   dtype: torch.dtype | None = None, overlap: bool | None = None,
-                   take_ownership: bool = False) -> MoEExecutor:
-    """The engine's expert executor.
+# ---------------------------------------------------------------------------- building
 
-    gpu_budget_bytes: None = no GPU, every expert runs on the CPU (kind c). On a CPU device a budget makes
-      the CPU stand in for the GPU (emulation: same placement, plans, copies and combination).
+def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, max_seq_len: int, max_batch: int,
+                   placement: str | Placement = "popularity", popularity=None, planner: str = "makespan",
+                   latency_model=None, cpu_threads: int | None = None, seed: int = 0,
+                   dtype: torch.dtype | None = None, overlap: bool | None = None,
+                   take_ownership: bool = False) -> FiddlerExecutor:
+    """Fiddler's executor for `experts` [layer][expert].
+
+    gpu: where the GPU side is and its budget (GpuSide). Without a GPU every expert runs on the CPU (kind
+      c); an emulated GPU side is the CPU device standing in for a GPU (same placement, plans, copies).
     placement: "popularity" | "random" (seeded) | "all" | "none" | "fraction:<0..1>" | a Placement.
     popularity: a Popularity, a JSON path or None (uniform).
     latency_model: a LatencyModel, its dict, or None (calibrated now by timing this executor's own paths).
     dtype: the model dtype (default: the experts' dtype).
-    overlap: run the CPU queue on a worker thread concurrently with the GPU side. Default: on CUDA; on
-      a CPU device for bf16/fp16 (cores split between the queues), while fp32 runs the queues serially
-      with all cores, bit-identical to a plain computation (MKL's fp32 rounding depends on thread count).
-    take_ownership: clear the entries of `experts` as they are taken over, so host memory is freed expert
-      by expert instead of doubling at peak (the engine passes True; the list is unusable afterwards).
+    overlap: run the CPU queue on a worker thread concurrently with the GPU side (see Threads.choose).
+    take_ownership: clear the entries of `experts` as they are taken over (the list is unusable afterwards).
     """
-    device = torch.device(device)
     dtype = dtype or experts[0][0].w1.dtype
     if isinstance(placement, Placement):
         pl = placement
     else:
         strategy, kw = parse_placement(placement)
-        pl = place(config, dtype, gpu_budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
+        pl = place(config, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
                    strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, **kw)
-    return MoEExecutor(config, experts, device=device, dtype=dtype, placement=pl, planner=planner,
-                       latency_model=latency_model, has_gpu=gpu_budget_bytes is not None, cpu_threads=cpu_threads,
-                       overlap=overlap, calibration_tokens=min(128, max_seq_len * max_batch),
-                       take_ownership=take_ownership)
+    return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
+                           latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
+                           calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership)
+
+
+@dataclass(frozen=True)
+class FiddlerPolicy:
+    """Factory of Fiddler's executor (fiddler.executors.ExecutorFactory), holding its options; see
+    build_executor for their meaning."""
+
+    placement: str | Placement = "popularity"
+    popularity: Any = None
+    planner: str = "makespan"
+    latency_model: Any = None
+    overlap: bool | None = None
+
+    def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights]]) -> FiddlerExecutor:
+        return build_executor(ctx.config, experts, gpu=ctx.gpu, max_seq_len=ctx.max_seq_len,
+                              max_batch=ctx.max_batch, placement=self.placement, popularity=self.popularity,
+                              planner=self.planner, latency_model=self.latency_model, cpu_threads=ctx.cpu_threads,
+                              seed=ctx.seed, dtype=ctx.dtype, overlap=self.overlap, take_ownership=True)

@@ -1,0 +1,68 @@
+"""The base of every adapter whose system runs inside fiddler's engine with its own executor policy
+(system=fiddler, system=mixtral_offloading): GPU side, engine loading, generation and facts."""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
+
+
+class EngineAdapter(SystemAdapter):
+    # The engine alternates between its kernel's thread pool and short torch ops; libgomp's default
+    # spin-wait after every torch op keeps the cores busy while the kernel needs them (much slower decode
+    # and prefill on few cores). transformers alone is faster with the default, so this is per system.
+    process_env = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+    @abc.abstractmethod
+    def executor_factory(self):
+        """The policy: a fiddler.executors.ExecutorFactory built from this system's options."""
+
+    def gpu_side(self):
+        """(fiddler.gpu_side.GpuSide, where its budget came from). system.gpu_budget_gb, else the
+        environment's GPU memory; without CUDA a budget > 0 is emulated (the GPU side is the CPU device,
+        so the orchestration runs as it would on a card of that size)."""
+        from fiddler.gpu_side import GpuSide
+
+        gb = self.config.gpu_budget_gb
+        source = "system.gpu_budget_gb"
+        if gb is None:
+            gb, source = self.ctx.gpu_memory_gb, "environment.gpu.memory_gb"
+        if gb and gb > 0:
+            budget = int(gb * 2**30)
+            if self.ctx.has_cuda:
+                return GpuSide.cuda(budget), f"{source}={gb:g} GB"
+            return GpuSide.emulated(budget), f"{source}={gb:g} GB, emulated: the GPU side is the CPU device"
+        if self.ctx.has_cuda:
+            return GpuSide.cuda(), "engine default (free CUDA memory)"
+        return GpuSide.none(), "none (no GPU)"
+
+    def load(self) -> None:
+        import torch
+
+        from fiddler import Engine
+
+        self.gpu, self.budget_source = self.gpu_side()
+        self.engine = Engine.from_pretrained(
+            self.model.path, dtype=getattr(torch, self.model.dtype), gpu=self.gpu, executor=self.executor_factory(),
+            cpu_threads=self.config.cpu_threads or self.ctx.threads,
+            max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch,
+        )
+
+    def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
+        out = self.engine.generate(request.input_ids, max_new_tokens=request.max_new_tokens,
+                                   beam_width=request.beam_width, on_first_token=on_first_token)
+        stats = {k: v for k, v in out.stats.items() if k != "decode_latencies_s"}
+        return GenerationResult(tokens=out.tokens.tolist(), stats=stats)
+
+    def synchronize(self) -> None:
+        import torch
+
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def info(self) -> dict[str, Any]:
+        return {**self.engine.info(), "gpu_budget_source": self.budget_source}
+
+    def close(self) -> None:
+        self.engine = None

@@ -1,0 +1,19 @@
+"""Options every system that runs inside fiddler's engine shares (fiddler, mixtral_offloading)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from baselines.base import SystemConfig, check
+
+
+@dataclass
+class EngineSystemConfig(SystemConfig):
+    cpu_threads: Optional[int] = None  # None = environment.cpu.threads
+    gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None:
+            check(lambda: self.cpu_threads >= 1, "system.cpu_threads", self.cpu_threads, "null or an integer >= 1")
+        if self.gpu_budget_gb is not None:
+            check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")

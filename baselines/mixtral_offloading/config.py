@@ -1,0 +1,39 @@
+"""Options of `system=mixtral_offloading` (conf/system/mixtral_offloading.yaml)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from baselines.base import check
+from baselines.engine_config import EngineSystemConfig
+
+#: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo
+#: offloads 4-6 of Mixtral's 8 experts per layer; 2 resident of 8 is the "offload 6" setting.
+DEFAULT_CACHE_SIZE = 2
+
+
+class PrefetchInput(Enum):
+    residual = "residual"  # hidden state after the layer's MoE output is added
+    moe_input = "moe_input"  # the layer's (normed) expert input
+
+
+@dataclass
+class MixtralOffloadingConfig(EngineSystemConfig):
+    schema_name = "mixtral_offloading_schema"
+
+    cache_size: Optional[int] = None  # experts per layer on the GPU; None = derived from the GPU budget
+    default_cache_size: int = DEFAULT_CACHE_SIZE  # when cache_size is None and there is no GPU budget
+    prefetch: bool = True
+    prefetch_k: Optional[int] = None  # None = the model's top_k
+    prefetch_input: PrefetchInput = PrefetchInput.residual
+    quantize: bool = False  # HQQ: attention 4-bit g64, experts 2-bit g16 (needs the hqq package)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("cache_size", "prefetch_k"):
+            v = getattr(self, key)
+            if v is not None:
+                check(lambda: v >= 1, f"system.{key}", v, "null or an integer >= 1")
+        check(lambda: self.default_cache_size >= 1, "system.default_cache_size", self.default_cache_size,
+              "an integer >= 1")

@@ -30,16 +30,6 @@ DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_BATCH = 4
 
 
-# ---------------------------------------------------------------------------- memory bandwidth
-
-def measure_memory_bandwidth() -> dict:
-    """Host memory-read limit (fiddler.kernels.read_limit: the best of several read strategies and an
-    fp32 GEMV, none sharing the kernel's tuning). Measured once per process."""
-    from . import kernels
-
-    return kernels.read_limit()
-
-
 @contextlib.contextmanager
 def torch_threads(n: int | None):
     """Temporarily set torch's intra-op thread count (None: leave it)."""
@@ -130,7 +120,6 @@ class Engine:
         max_seq_len: int | None = None,
         max_batch: int | None = None,
         seed: int = 0,
-        measure_bandwidth: bool = True,
     ) -> "Engine":
         """Load an HF Mixtral checkpoint (original per-expert safetensors layout, sharded or not).
 
@@ -140,9 +129,7 @@ class Engine:
         factory (default FiddlerPolicy(): Fiddler's orchestration; fiddler.executors.local_executor is the
         reference). cpu_threads: threads for the CPU kernel and torch (default: all cores; note
         torch.set_num_threads is process-wide). max_seq_len / max_batch: KV-cache size (default
-        min(context, 4096) positions x 4 rows; beam_width <= max_batch). seed: placement and sampling.
-        measure_bandwidth: probe host memory bandwidth once per process for the decode bound in
-        generate()'s stats."""
+        min(context, 4096) positions x 4 rows; beam_width <= max_batch). seed: placement and sampling."""
         t_load = time.perf_counter()
         cfg = MoEConfig.from_pretrained(path)
         gpu = gpu if gpu is not None else GpuSide.default()
@@ -177,8 +164,6 @@ class Engine:
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),
             "load_s": time.perf_counter() - t_load,
         }
-        if measure_bandwidth and gpu.device.type == "cpu":
-            info["memory_bandwidth"] = measure_memory_bandwidth()
         return cls(cfg, model, ex, dtype=dtype, gpu=gpu, seed=seed, info=info, torch_threads=torch_threads_in_run)
 
     # ------------------------------------------------------------------ API
@@ -239,19 +224,12 @@ class Engine:
         st["decode_s"] = sum(lat)
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
         st["executor"] = _plain(self.executor.stats.to_dict())
-        if lat and "memory_bandwidth" in self._info:
-            # Bytes a decode step must read, averaged over the steps actually run (the KV cache grows);
-            # with beams, the experts the beams actually used (they share most of them).
+        if lat:
+            # distinct experts a decode step ran per layer: with beams, the ones the beams actually used
+            # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)
             m = self.model
-            experts = m.multi_row_expert_loads / m.multi_row_layer_steps if m.multi_row_layer_steps else None
-            st["decode_experts_per_layer"] = experts if experts is not None else self.config.top_k
-            per_step = [self.config.decode_bytes_per_token(S + i + 1, self.dtype, B, experts) for i in range(len(lat))]
-            nbytes = sum(per_step) / len(per_step)
-            bw = self._info["memory_bandwidth"]["gbps"]
-            st["decode_bytes_per_token"] = nbytes
-            st["memory_bandwidth_gbs"] = bw
-            st["decode_bound_tok_s"] = bw * 1e9 / nbytes
-            st["decode_bound_fraction"] = st["decode_tok_s"] / st["decode_bound_tok_s"]
+            st["decode_experts_per_layer"] = (m.multi_row_expert_loads / m.multi_row_layer_steps
+                                              if m.multi_row_layer_steps else self.config.top_k)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids) -> torch.Tensor:

@@ -6,6 +6,8 @@ memory-bandwidth probe runs at most once and never when the key is overridden.
 from __future__ import annotations
 
 import functools
+import json
+import os
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -13,13 +15,34 @@ from omegaconf import OmegaConf
 from fiddler import hardware
 
 
+# A sweep's child processes inherit the parent's measurement through this variable, so every record of
+# a run states the same limit (environment=local's value and each record's decode bound).
+_LIMIT_ENV = "FIDDLER_READ_LIMIT"
+
+
 @functools.lru_cache(maxsize=1)
 def measured_cpu_bandwidth() -> dict:
     """This host's memory-read limit, by the project's one probe (fiddler.kernels.read_limit): the
-    same function and the same numbers as the engine's decode bound."""
+    same function and the same numbers as the decode bound. Measured once per run."""
+    inherited = os.environ.get(_LIMIT_ENV)
+    if inherited:
+        try:
+            d = json.loads(inherited)
+            if isinstance(d, dict) and float(d["gbps"]) > 0 and isinstance(d.get("strategies"), dict):
+                return d
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged: measure again
     from fiddler import kernels
 
-    return kernels.read_limit()
+    d = kernels.read_limit()
+    os.environ[_LIMIT_ENV] = json.dumps(d)
+    return d
+
+
+def known_read_limit() -> dict | None:
+    """The limit measured earlier in this run (this process or its parent), without measuring."""
+    inherited = os.environ.get(_LIMIT_ENV)
+    return measured_cpu_bandwidth() if inherited or measured_cpu_bandwidth.cache_info().currsize else None
 
 
 def measured_cpu_bandwidth_gbps() -> float:

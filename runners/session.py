@@ -15,6 +15,7 @@ from typing import Any, Callable
 from baselines.base import (GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig, SystemUnavailable,
                             one_line)
 from runners import measure, records
+from runners.decode_bound import decode_bound, environment_limit
 from runners.workloads import Point, prompt_for
 
 
@@ -166,6 +167,16 @@ class Session:
         rec["raw"] = measure.raw_of(samples)
         rec["stats"] = samples[-1].stats
         rec["system_info"] = self.adapter.info()
+        if not self.adapter.ctx.has_cuda:  # every weight byte comes from host memory: the decode bound applies
+            m = rec["metrics"]
+            try:
+                rec["decode_bound"] = decode_bound(
+                    job.model_path, job.config["model"]["dtype"], point.input_len, point.output_len, point.beam_width,
+                    {"mean": m["decode_tok_s"], "best": m["best"]["decode_tok_s"]},
+                    rec["stats"].get("decode_experts_per_layer"),
+                    environment_limit(float(job.config["environment"]["cpu"]["mem_bandwidth_gbps"] or 0)))
+            except Exception as exc:  # an analysis: it never turns a measured record into an error
+                rec["decode_bound"] = {"unavailable": one_line(exc)}
         return rec
 
     def close(self) -> None:

@@ -63,6 +63,7 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
             row[key] = m.get(key)
             row[f"{key}_sd"] = m.get(f"{key}_sd")
             row[f"{key}_best"] = (m.get("best") or {}).get(key)
+        row["decode_bound_fraction_best"] = ((r.get("decode_bound") or {}).get("fraction") or {}).get("best")
         row["reps"] = m.get("repetitions")
         row["valid"] = m.get("valid")
         rows.append(row)
@@ -93,6 +94,9 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
     # acceptance targets on noisy machines are stated as best of the repetitions
     for key, title in (("decode_tok_s", "best decode tok/s"), ("prefill_tok_s", "best prefill tok/s")):
         out[title] = [("" if v is None or pd.isna(v) else f"{v:.2f}") for v in df[f"{key}_best"]]
+    # best decode tok/s over the host's decode bound (runners/decode_bound.py), for CPU runs
+    out["best decode / bound"] = [("" if v is None or pd.isna(v) else f"{v:.2f}")
+                                  for v in df["decode_bound_fraction_best"]]
     out["reps"] = df["reps"]
     out["valid"] = df["valid"]
     out["reason"] = [("" if r is None or pd.isna(r) else str(r)[:80]) for r in df["reason"]]

@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fiddler import Engine  # noqa: E402
+from runners import detect  # noqa: E402
+from runners.decode_bound import decode_bound  # noqa: E402
 from runners.models import synthetic_model  # noqa: E402
 
 
@@ -99,12 +101,17 @@ def main() -> int:
     st = out.stats
     for r in systems.values():
         r["prefill_tok_s"] = args.prompt_len / r["prefill_s"]
+    bound = decode_bound(str(path), "bfloat16", args.prompt_len, N, B,
+                         {"in_engine": st["decode_tok_s"], "external": systems["fiddler"]["decode_tok_s"]},
+                         st.get("decode_experts_per_layer"), detect.measured_cpu_bandwidth()) \
+        if engine.device.type == "cpu" else None
     res = {
         "model": str(path), "prompt_len": args.prompt_len, "new_tokens": N, "beam_width": B,
         "threads": torch.get_num_threads(), "systems": systems,
-        "engine": {k: st.get(k) for k in ("decode_tok_s", "decode_bound_tok_s", "decode_bound_fraction",
-                                          "decode_bytes_per_token", "memory_bandwidth_gbs", "ttft_s")},
-        "engine_info": {k: engine.info().get(k) for k in ("kernel_isa", "kernel_linears", "kernel_max_tokens", "executor", "memory_bandwidth")},
+        "engine": {k: st.get(k) for k in ("decode_tok_s", "ttft_s")},
+        "decode_bound": bound,
+        "engine_info": {k: engine.info().get(k) for k in ("kernel_isa", "kernel_stream", "kernel_linears",
+                                                          "kernel_max_tokens", "executor")},
         "decode_fastpath": fast_default,
     }
     if "transformers" in systems:
@@ -121,11 +128,10 @@ def main() -> int:
         print(f"  fused decode kernels on/off: decode {r:.3f}x")
     if "ratios" in res:
         print(f"  ratios fiddler/transformers: decode {res['ratios']['decode']:.2f}x  prefill {res['ratios']['prefill']:.2f}x")
-    e = res["engine"]
-    if e["decode_bound_tok_s"]:
-        print(f"  engine decode bound {e['decode_bound_tok_s']:.2f} tok/s ({e['decode_bytes_per_token'] / 1e9:.3f} GB/token at "
-              f"{e['memory_bandwidth_gbs']:.1f} GB/s); in-engine decode {e['decode_tok_s']:.2f} tok/s = "
-              f"{e['decode_bound_fraction']:.2f} of the bound; best external {systems['fiddler']['decode_tok_s'] / e['decode_bound_tok_s']:.2f}")
+    if bound:
+        print(f"  decode bound {bound['bound_tok_s']:.2f} tok/s ({bound['bytes_per_token'] / 1e9:.3f} GB/token at "
+              f"{bound['limit_gbps']:.1f} GB/s, {bound['limit_by']}); in-engine decode {st['decode_tok_s']:.2f} tok/s = "
+              f"{bound['fraction']['in_engine']:.2f} of the bound; best external {bound['fraction']['external']:.2f}")
     print(f"  {res['engine_info']}")
     return 0
 

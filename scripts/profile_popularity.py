@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], gpu=GpuSide.none(),
-                                    max_seq_len=args.max_seq_len, max_batch=1, measure_bandwidth=False)
+                                    max_seq_len=args.max_seq_len, max_batch=1)
     cfg = engine.config
     if args.synthetic is not None:
         prompts = synthetic_prompts(args.synthetic, args.prompt_len, cfg.vocab_size, args.seed)

@@ -36,6 +36,14 @@ def test_beam_run_with_transformers_writes_ok_records(tmp_path):
     assert recs[0]["system_info"]["experts_implementation"] in ("grouped_mm", "eager")
     assert recs[0]["system_info"]["transformers"]
     assert "| hf_transformers" in res.stdout and (d / "table.md").exists() and (d / "table.csv").exists()
+    # without CUDA every record states its decode bound over the limit environment=local measured
+    import torch
+
+    if not torch.cuda.is_available():
+        b = recs[0]["decode_bound"]
+        env_bw = recs[0]["config"]["environment"]["cpu"]["mem_bandwidth_gbps"]
+        assert round(b["limit_gbps"], 1) == round(env_bw, 1) and b["limit_by"] in b["limit_strategies"]
+        assert 0 < b["fraction"]["best"] and b["bound_tok_s"] > 0 and "best decode / bound" in res.stdout
 
 
 @pytest.mark.parametrize("args, first_line", [

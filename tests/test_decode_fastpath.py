@@ -170,7 +170,7 @@ def test_input_checks():
 @functools.cache
 def engine(arch: str, executor: str) -> Engine:
     kw = {"executor": local_executor} if executor == "reference" else {}
-    return Engine.from_pretrained(model_path(arch), dtype=BF16, measure_bandwidth=False, gpu=GpuSide.none(), **kw)
+    return Engine.from_pretrained(model_path(arch), dtype=BF16, gpu=GpuSide.none(), **kw)
 
 
 def teacher_forced_logits(e: Engine, fast: bool, ids: torch.Tensor, feed: list[int]) -> torch.Tensor:
@@ -225,7 +225,7 @@ def test_model_sliding_window_matches_torch_path(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["sliding_window"] = 6
     (d / "config.json").write_text(json.dumps(cfg))
-    e = Engine.from_pretrained(d, dtype=BF16, measure_bandwidth=False, gpu=GpuSide.none(), executor=local_executor)
+    e = Engine.from_pretrained(d, dtype=BF16, gpu=GpuSide.none(), executor=local_executor)
     vocab = ARCHS["e8k2"]["vocab_size"]
     ids, feed = prompt(4, vocab, seed=6), prompt(10, vocab, seed=7).tolist()  # decode runs past the window
     ref = teacher_forced_logits(e, False, ids, feed)

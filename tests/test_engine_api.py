@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 import torch
+
+import fiddler.kernels as fk
 from safetensors.torch import load_file, save_file
 
 from fiddler import Engine
@@ -17,7 +19,7 @@ from fiddler.weights import CheckpointError, load_weights
 from tests.models import ARCHS, model_path, prompt
 
 # GpuSide.none(): these are CPU-path tests; on a CUDA host the engine would otherwise default to the GPU.
-REF = dict(executor=local_executor, measure_bandwidth=False, gpu=GpuSide.none())
+REF = dict(executor=local_executor, gpu=GpuSide.none())
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +42,14 @@ def test_generate_output_and_stats():
     assert len(st["decode_latencies_s"]) == 6 and st["ttft_s"] > 0 and st["new_tokens"] == 7
     assert st["decode_tok_s"] == pytest.approx(6 / sum(st["decode_latencies_s"]))
     assert st["executor"]["expert_calls"] > 0
-    # decode bound: bytes per token (4 of 16 experts per layer + non-expert weights + KV) / measured bandwidth
-    cfg = e.config
-    assert st["memory_bandwidth_gbs"] > 0.5
-    lo = cfg.decode_bytes_per_token(10, torch.bfloat16)
-    hi = cfg.decode_bytes_per_token(16, torch.bfloat16)
-    assert lo < st["decode_bytes_per_token"] < hi
-    assert st["decode_bound_fraction"] == pytest.approx(st["decode_tok_s"] / st["decode_bound_tok_s"])
-    # beams share experts: the bound counts the distinct experts the beams actually used per layer
+    # one row decodes top_k experts per layer; beams share experts: the distinct ones they actually used
+    assert st["decode_experts_per_layer"] == e.config.top_k
     bst = e.generate(prompt(9, 500), max_new_tokens=5, beam_width=3).stats
     assert 4 <= bst["decode_experts_per_layer"] <= 12
-    assert bst["decode_bytes_per_token"] == pytest.approx(
-        cfg.decode_bytes_per_token(12, torch.bfloat16, 3, bst["decode_experts_per_layer"]), rel=0.01)
     info = e.info()
     json.dumps(info)  # records must be able to store it
     assert info["device"] == "cpu" and info["dtype"] == "bfloat16" and info["gpu_budget_bytes"] is None
-    lim = info["memory_bandwidth"]
-    assert lim["gbps"] == max(lim["strategies"].values()) == lim["strategies"][lim["best"]]
-    assert any(k.startswith("gemv_fp32") for k in lim["strategies"]) and st["memory_bandwidth_gbs"] == lim["gbps"]
+    assert info["kernel_stream"] == fk.stream()
     json.dumps(st)
 
 

@@ -61,3 +61,95 @@ def test_install_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "install.sh")]).returncode == 0
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/install.sh" in ci and "python -m pytest -q" in ci and "scripts/regress.py --quick" in ci
+
+
+# What llama_backend_init does (llama.cpp's src/llama.cpp): the f16 tables via ggml_init, then the
+# backend registry, which initialises the CPU backend.
+_BACKEND_INIT = r"""
+#include <stdio.h>
+#include "ggml.h"
+#include "ggml-backend.h"
+int main(void) {
+  ggml_time_init();
+  struct ggml_init_params params = {0, NULL, false};
+  ggml_free(ggml_init(params));
+  printf("backends %zu\n", ggml_backend_reg_count());
+  return 0;
+}
+"""
+
+
+def _ggml_sources(cache: Path, version: str) -> Path:
+    """llama.cpp's ggml/ from llama-cpp-python's sdist (the version installed), cached."""
+    import tarfile
+    import tempfile
+
+    from baselines.llama_cpp.convert import download_sdist
+
+    dest = cache / "llama_cpp_ggml_src" / version
+    if (dest / "ggml" / "CMakeLists.txt").exists():
+        return dest / "ggml"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            sdist = download_sdist(version, Path(tmp))
+        except RuntimeError as exc:
+            pytest.skip(str(exc).splitlines()[0])
+        staging = Path(tempfile.mkdtemp(dir=cache))
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                parts = Path(m.name).parts
+                if len(parts) > 4 and parts[1:4] == ("vendor", "llama.cpp", "ggml") and (m.isfile() or m.isdir()):
+                    m.name = str(Path(*parts[3:]))
+                    members.append(m)
+            tar.extractall(staging, members=members, filter="data")
+        # the sdist leaves out ggml's pkg-config template, which its CMakeLists configures
+        pc = staging / "ggml" / "ggml.pc.in"
+        if not pc.exists():
+            pc.write_text("Name: ggml\nDescription: ggml\nVersion: @GGML_VERSION@\n")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging.replace(dest)
+    return dest / "ggml"
+
+
+def _build_backend_init(src: Path, build: Path, args: list[str]) -> Path:
+    """ggml built with these flags, and the llama_backend_init sequence linked against it (cached)."""
+    exe = build / "backend_init"
+    if exe.exists():
+        return exe
+    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, check=True)  # noqa: E731
+    run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+         "-DGGML_BACKEND_DL=OFF", "-DGGML_OPENMP=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF", *args])
+    run(["cmake", "--build", str(build), "--target", "ggml", "-j", "2"])
+    (build / "backend_init.c").write_text(_BACKEND_INIT)
+    libs = [str(next(build.rglob(f"lib{name}.a"))) for name in ("ggml", "ggml-cpu", "ggml-base")]
+    run(["g++", "-O1", "-x", "c", str(build / "backend_init.c"), "-x", "none", f"-I{src / 'include'}", *libs,
+         "-lpthread", "-lm", "-o", str(exe)])
+    return exe
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None or shutil.which("cmake") is None,
+                    reason="needs qemu-user and cmake")
+def test_llama_cpp_built_with_the_chosen_flags_starts_on_haswell():
+    """The fixed AVX-512 flag list the README once gave dies with SIGILL in llama_backend_init on an
+    (emulated) Haswell; the flags build_flags chooses for a Haswell start there."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import hashlib
+    import os
+    import signal
+
+    version = llama_cpp.__version__
+    cache = Path(os.environ.get("FIDDLER_CACHE", Path.home() / ".cache" / "fiddler"))
+    src = _ggml_sources(cache, version)
+    old_fixed = cmake_args(SAPPHIRE, "x86_64")  # == the README's former hard-coded CMAKE_ARGS
+    chosen = cmake_args(HASWELL, "x86_64")
+    results = {}
+    for name, args in (("fixed", old_fixed), ("chosen", chosen)):
+        key = hashlib.sha1(" ".join(args).encode()).hexdigest()[:12]
+        exe = _build_backend_init(src, cache / "ggml_builds" / version / key, args)
+        results[name] = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", str(exe)], capture_output=True, text=True,
+                                       timeout=300)
+    assert results["fixed"].returncode == -signal.SIGILL, results["fixed"]  # the failure is real here...
+    assert results["chosen"].returncode == 0, results["chosen"].stderr[-2000:]  # ...and the choice avoids it
+    assert results["chosen"].stdout.startswith("backends ")

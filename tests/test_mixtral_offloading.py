@@ -33,7 +33,7 @@ def hf(arch: str):
 def engine(arch: str, **kw):
     kw.setdefault("dtype", torch.float32)
     kw.setdefault("gpu", GpuSide.none())  # the CPU stands in for the GPU; test_cuda_side_stream_copies asks for CUDA
-    return load_engine(model_path(arch), measure_bandwidth=False, **kw)
+    return load_engine(model_path(arch), **kw)
 
 
 # ---------------------------------------------------------------- exactness (fp32, unquantized)
@@ -228,7 +228,7 @@ def test_engine_binds_the_model_routers_for_prefetch():
     from baselines.mixtral_offloading import MixtralOffloadingPolicy, OffloadingExecutor
     from fiddler.engine import Engine
 
-    eng = Engine.from_pretrained(model_path("e8k2"), dtype=torch.float32, measure_bandwidth=False,
+    eng = Engine.from_pretrained(model_path("e8k2"), dtype=torch.float32,
                                  gpu=GpuSide.none(), executor=MixtralOffloadingPolicy(cache_size=2, prefetch=True))
     eng.generate(prompt(4, 512), max_new_tokens=2)
     assert eng.executor.stats.prefetch_calls > 0

@@ -56,7 +56,7 @@ all_arch_params = pytest.mark.parametrize("arch", list(ARCHS))
 
 @functools.cache
 def engine(arch: str, variant: str, dtype: torch.dtype) -> Engine:
-    return Engine.from_pretrained(model_path(arch), dtype=dtype, measure_bandwidth=False, **VARIANTS[variant])
+    return Engine.from_pretrained(model_path(arch), dtype=dtype, **VARIANTS[variant])
 
 
 @functools.cache
@@ -209,7 +209,7 @@ def test_cuda_fp32_greedy_and_beam_match_transformers(fraction):
     budget = 256 << 20  # far above non-expert weights + KV cache of the test model; placement decides residency
     e = Engine.from_pretrained(
         model_path(arch), dtype=torch.float32, gpu=GpuSide.cuda(budget),
-        executor=FiddlerPolicy(placement=f"fraction:{fraction}"), measure_bandwidth=False,
+        executor=FiddlerPolicy(placement=f"fraction:{fraction}"),
     )
     ids = prompt(12, cfg["vocab_size"], seed=2)
     ref = hf(arch, torch.float32).generate(ids[None], max_new_tokens=32, do_sample=False)[0, 12:]
@@ -237,7 +237,7 @@ def test_fp32_sliding_window_matches_transformers(tmp_path):
     ref_model = MixtralForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     ref_model.generation_config.eos_token_id = None
     ref_model.generation_config.pad_token_id = 0
-    e = Engine.from_pretrained(d, dtype=torch.float32, measure_bandwidth=False, executor=local_executor,
+    e = Engine.from_pretrained(d, dtype=torch.float32, executor=local_executor,
                                gpu=GpuSide.none())
     ids = prompt(14, ARCHS["e8k2"]["vocab_size"], seed=6)
     with torch.no_grad():

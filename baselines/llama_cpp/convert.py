@@ -103,23 +103,32 @@ def fetch_converter(dest: Path, version: str, quiet: bool = True) -> Path:
         if _is_converter_dir(dest):
             return dest
         with tempfile.TemporaryDirectory(prefix="llama_cpp_sdist_") as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
-                   "--disable-pip-version-check", "-d", tmp, f"llama-cpp-python=={version}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            sdists = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-            if proc.returncode != 0 or not sdists:
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+            try:
+                sdist = download_sdist(version, Path(tmp))
+            except RuntimeError as exc:
                 raise SystemUnavailable(
-                    f"llama.cpp's HF->GGUF converter is not available: could not download the "
-                    f"llama-cpp-python=={version} source distribution that contains it (no network?). "
+                    f"llama.cpp's HF->GGUF converter is not available: {exc}. "
                     f"Run `python -m baselines.llama_cpp.convert --fetch` on a machine with network and copy "
-                    f"{dest} here, or point FIDDLER_LLAMA_CPP_CONVERTER at a llama.cpp source tree.\n{tail}")
+                    f"{dest} here, or point FIDDLER_LLAMA_CPP_CONVERTER at a llama.cpp source tree.") from exc
             staging = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-            _extract_converter(sdists[0], staging)
+            _extract_converter(sdist, staging)
             if not _is_converter_dir(staging):
-                raise SystemUnavailable(f"{sdists[0].name} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
+                raise SystemUnavailable(f"{sdist.name} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
             os.replace(staging, dest)
     return dest
+
+
+def download_sdist(version: str, into: Path) -> Path:
+    """llama-cpp-python==version's source distribution (it vendors llama.cpp), downloaded with pip."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
+           "--disable-pip-version-check", "-d", str(into), f"llama-cpp-python=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    sdists = sorted(Path(into).glob("llama_cpp_python-*.tar.gz"))
+    if proc.returncode != 0 or not sdists:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"could not download the llama-cpp-python=={version} source distribution "
+                           f"(no network?)\n{tail}")
+    return sdists[0]
 
 
 def _extract_converter(sdist: Path, out: Path) -> None:

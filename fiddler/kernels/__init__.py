@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from . import _lib
 
 __all__ = [
-    "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "features", "set_num_threads",
+    "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "set_amx", "features", "set_num_threads",
     "get_num_threads", "stream", "set_stream", "tune_stream", "read_limit", "limit_buffer", "stream_working_set_bytes",
     "is_available", "load_error",
 ]
@@ -68,10 +68,10 @@ def set_isa(name: str | None = None) -> str:
     return isa()
 
 
-def _set_amx(mode: str, min_tokens: int | None = None) -> None:
-    """Testing hook: AMX tiles "off", "on" (hardware) or "emulated" (software tiles, any CPU), used
-    from `min_tokens` tokens up (None: the default). Keeps the current vector path; `set_isa()`
-    restores the defaults."""
+def set_amx(mode: str, min_tokens: int | None = None) -> None:
+    """For tests and experiments: AMX tiles "off", "on" (hardware) or "emulated" (software tiles, any
+    CPU), used from `min_tokens` tokens up (None: the default). Keeps the current vector path;
+    `set_isa()` restores the defaults."""
     code = {"off": _AMX_OFF, "on": _AMX_HW, "emulated": _AMX_EMULATED}[mode]
     _lib.check(_L().fk_configure(_L().fk_isa(), code, int(min_tokens or 0)))
 
@@ -101,11 +101,12 @@ def features() -> dict:
     return out
 
 
-def set_num_threads(n: int) -> None:
-    """Default thread count of every kernel call (a call's `threads=` overrides it)."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"thread count must be a positive int, got {n!r}")
-    _L().fk_set_num_threads(n)
+def set_num_threads(n: int | None) -> None:
+    """Default thread count of every kernel call (a call's `threads=` overrides it); None: back to
+    all the CPUs this process may run on."""
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"thread count must be a positive int or None, got {n!r}")
+    _L().fk_set_num_threads(n or 0)
 
 
 def get_num_threads() -> int:

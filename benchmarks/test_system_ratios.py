@@ -6,23 +6,22 @@ small_mixtral otherwise), each loaded through its harness adapter, in one proces
   installed.
 
 Timing is the harness's: a clock around `adapter.generate`, the first token marked by the adapter's
-callback; a decode step is (end - first token) / (new tokens - 1). All systems share the process and
-its OMP_WAIT_POLICY (scripts/regress.py sets PASSIVE, the engine's setting), so these are regression
-ratios, not the harness's comparison (which gives each system its own process and settings).
+callback; a decode step is (end - first token) / (new tokens - 1). As in the harness, each system runs
+in its own process with the environment it declares (benchmarks/system_worker.py); the benchmark
+alternates requests between them.
 """
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from baselines.base import GenerationRequest, ModelSpec, RunContext
 from runners.models import synthetic_model
 
 from .conftest import interleaved, record_ratio, skip_ratios
+from .system_worker import SystemWorker
 
 DECODE_PROMPT, DECODE_TOKENS, PREFILL = 32, 16, 128
 # Whole-system steps of the tiny model take about a millisecond, mostly per-call overhead that moves
@@ -37,39 +36,19 @@ def model_name(quick) -> str:
 
 @pytest.fixture(scope="module")
 def systems(model_name):
+    """Each system loaded in its own process with its own environment (benchmarks/system_worker.py)."""
     path = synthetic_model(model_name)
-    threads = len(os.sched_getaffinity(0))
     cache = Path(os.environ.get("FIDDLER_CACHE", Path.home() / ".cache" / "fiddler"))
-    ctx = RunContext(threads=threads, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(cache),
-                     max_seq_len=PREFILL + DECODE_TOKENS + 8, max_batch=1)
-    spec = ModelSpec(name=model_name, path=str(path), dtype="bfloat16")
-    from baselines.fiddler_engine.adapter import FiddlerAdapter
-    from baselines.fiddler_engine.config import FiddlerConfig
-    from baselines.hf_transformers.adapter import HFTransformersAdapter
-    from baselines.hf_transformers.config import HFTransformersConfig
-
-    out = {"fiddler": FiddlerAdapter(FiddlerConfig.build(), spec, ctx),
-           "hf_transformers": HFTransformersAdapter(HFTransformersConfig.build(), spec, ctx)}
-    try:
-        from baselines.llama_cpp.adapter import LlamaCppAdapter
-        from baselines.llama_cpp.config import LlamaCppConfig
-
-        out["llama_cpp"] = LlamaCppAdapter(LlamaCppConfig.build(), spec, ctx)
-    except ImportError:
-        pass
-    loaded = {}
-    for name, a in out.items():
-        try:
-            a.load()
-            loaded[name] = a
-        except Exception as exc:  # llama.cpp missing: its ratio is reported as skipped
-            if name != "llama_cpp":
-                raise
-            loaded["llama_cpp_unavailable"] = f"{type(exc).__name__}: {exc}"
-    yield loaded
-    for a in loaded.values():
-        if hasattr(a, "close"):
-            a.close()
+    model = dict(name=model_name, path=str(path), dtype="bfloat16")
+    ctx = dict(threads=len(os.sched_getaffinity(0)), gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(cache),
+               max_seq_len=PREFILL + DECODE_TOKENS + 8, max_batch=1)
+    workers = {name: SystemWorker(name, model, ctx) for name in ("fiddler", "hf_transformers", "llama_cpp")}
+    for name in ("fiddler", "hf_transformers"):
+        if workers[name].unavailable:
+            raise RuntimeError(f"{name} did not load: {workers[name].unavailable}")
+    yield workers
+    for w in workers.values():
+        w.close()
 
 
 def prompt(n: int, vocab: int = 1000) -> list[int]:
@@ -77,25 +56,14 @@ def prompt(n: int, vocab: int = 1000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def timed(adapter, ids: list[int], new: int) -> tuple[float, float]:
-    """(ttft seconds, decode seconds per token) of one generate call."""
-    first = []
-    t0 = time.perf_counter()
-    adapter.generate(GenerationRequest(input_ids=ids, max_new_tokens=new),
-                     lambda: first.append(time.perf_counter()))
-    adapter.synchronize()
-    end = time.perf_counter()
-    return first[0] - t0, (end - first[0]) / max(1, new - 1)
-
-
-def decode_side(adapter):
+def decode_side(worker):
     ids = prompt(DECODE_PROMPT)
-    return lambda i: timed(adapter, ids, DECODE_TOKENS)[1]
+    return lambda i: worker.timed(ids, DECODE_TOKENS)[1]
 
 
-def prefill_side(adapter):
+def prefill_side(worker):
     ids = prompt(PREFILL)
-    return lambda i: timed(adapter, ids, 1)[0]
+    return lambda i: worker.timed(ids, 1)[0]
 
 
 def test_engine_decode_vs_transformers(benchmark, systems, rounds, model_name):
@@ -115,9 +83,8 @@ def test_engine_prefill_vs_transformers(benchmark, systems, rounds, model_name):
 
 
 def test_engine_decode_vs_llama_cpp(benchmark, systems, rounds, model_name):
-    if "llama_cpp" not in systems:
-        skip_ratios(["engine_decode_vs_llama_cpp"],
-                    systems.get("llama_cpp_unavailable", "llama-cpp-python is not installed"))
+    if systems["llama_cpp"].unavailable:
+        skip_ratios(["engine_decode_vs_llama_cpp"], systems["llama_cpp"].unavailable)
     best = interleaved(benchmark, {"engine_s": decode_side(systems["fiddler"]),
                                    "llama_cpp_s": decode_side(systems["llama_cpp"])}, rounds)
     record_ratio(benchmark, "engine_decode_vs_llama_cpp", best["llama_cpp_s"] / best["engine_s"], "higher", best,

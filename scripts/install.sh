@@ -3,7 +3,7 @@
 #   1. a virtual environment (.venv, or $VENV), reused if it exists;
 #   2. PyTorch: the CPU build unless an NVIDIA GPU answers (a plain `pip install torch` brings a
 #      multi-GB CUDA build); $TORCH_SPEC overrides the requirement;
-#   3. the project with its dev extra (this compiles the Fiddler CPU kernel);
+#   3. the project with its dev and offloading (HQQ) extras (this compiles the Fiddler CPU kernel);
 #   4. the llamacpp extra, with llama.cpp built for the instruction sets this CPU has (read by the
 #      kernel's CPUID detection: baselines/llama_cpp/build_flags.py), never its AMX path, plus CUDA
 #      where an NVIDIA GPU answers; $CMAKE_ARGS, if set, is used as given;
@@ -44,8 +44,8 @@ EOF
   fi
 fi
 
-step "the project and its dev extra (compiles the CPU kernel)"
-pip install -e ".[dev]"
+step "the project with its dev and offloading extras (compiles the CPU kernel)"
+pip install -e ".[dev,offloading]"
 
 if [ -z "${CMAKE_ARGS:-}" ]; then
   CMAKE_ARGS="$(python -m baselines.llama_cpp.build_flags)"

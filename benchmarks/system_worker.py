@@ -1,0 +1,88 @@
+"""One system of the regression suite in its own process, as the harness runs it.
+
+Each system gets the environment it declares (`SystemAdapter.process_env`, e.g. the engine's
+OMP_WAIT_POLICY=PASSIVE), which OpenMP reads once when torch or llama.cpp loads, so two systems
+cannot share a process fairly. The benchmark alternates requests between the workers, so the two
+sides of a ratio are still measured interleaved. No heavy import at module level: the worker must
+import torch only after its environment is set.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+ADAPTERS = {
+    "fiddler": ("baselines.fiddler_engine.adapter", "FiddlerAdapter", "baselines.fiddler_engine.config", "FiddlerConfig"),
+    "hf_transformers": ("baselines.hf_transformers.adapter", "HFTransformersAdapter",
+                        "baselines.hf_transformers.config", "HFTransformersConfig"),
+    "llama_cpp": ("baselines.llama_cpp.adapter", "LlamaCppAdapter", "baselines.llama_cpp.config", "LlamaCppConfig"),
+}
+
+
+def _adapter_class(name: str):
+    import importlib
+
+    mod, cls, cmod, ccls = ADAPTERS[name]
+    return getattr(importlib.import_module(mod), cls), getattr(importlib.import_module(cmod), ccls)
+
+
+def _serve(conn, name: str, model: dict, ctx: dict) -> None:
+    try:
+        from baselines.base import GenerationRequest, ModelSpec, RunContext
+
+        adapter_cls, config_cls = _adapter_class(name)
+        adapter = adapter_cls(config_cls.build(), ModelSpec(**model), RunContext(**ctx))
+        adapter.load()
+    except Exception as exc:  # reported to the parent (llama.cpp missing: a skipped ratio)
+        conn.send(("unavailable", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            adapter.close()
+            return
+        ids, new = msg
+        first = []
+        t0 = time.perf_counter()
+        adapter.generate(GenerationRequest(input_ids=ids, max_new_tokens=new),
+                         lambda: first.append(time.perf_counter()))
+        adapter.synchronize()
+        end = time.perf_counter()
+        conn.send((first[0] - t0, (end - first[0]) / max(1, new - 1)))
+
+
+class SystemWorker:
+    """A loaded system in a child process: `timed(ids, new)` -> (ttft s, decode s per token)."""
+
+    def __init__(self, name: str, model: dict[str, Any], ctx: dict[str, Any]):
+        adapter_cls, _ = _adapter_class(name)  # light: adapters import their libraries in load()
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env.update(adapter_cls.process_env)
+        spawn = mp.get_context("spawn")
+        self.conn, child = spawn.Pipe()
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)  # a spawned child starts with the parent's environment at start()
+        try:
+            self.proc = spawn.Process(target=_serve, args=(child, name, model, ctx), daemon=True)
+            self.proc.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        status, detail = self.conn.recv()
+        self.unavailable = detail if status == "unavailable" else None
+        self.process_env = dict(adapter_cls.process_env)
+
+    def timed(self, ids: list[int], new: int) -> tuple[float, float]:
+        self.conn.send((ids, new))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        if self.proc.is_alive() and self.unavailable is None:
+            self.conn.send(None)
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()

@@ -85,7 +85,7 @@ def test_stream_choice(benchmark, experts, rounds):
     x = torch.randn(1, HIDDEN).to(torch.bfloat16)
     out = torch.empty(1, HIDDEN, dtype=torch.bfloat16)
     active = fk.stream()
-    spec = f"{active['hint']}:{active['distance']}"
+    spec = active["spec"]
 
     def with_stream(s):
         def side(i):

@@ -18,8 +18,9 @@ import torch
 
 import fiddler.kernels as fk
 
-CANDIDATES = ["none", "t0:512", "t0:1024", "t0:2048", "t0:4096", "t1:512", "t1:1024", "t1:2048", "t1:4096",
-              "t1:8192", "nta:1024", "nta:4096"]
+CANDIDATES = ["none", "t0:512", "t0:1024", "t0:2048", "t0:4096", "t1:1024", "t1:2048", "t1:4096", "nta:1024",
+              "nta:4096", "t0:512/4096", "t0:1024/4096", "t0:2048/4096", "t0:1024/8192", "t0:2048/8192",
+              "nta:1024/4096"]
 
 
 def cpu_name() -> str:
@@ -50,7 +51,7 @@ def main(argv=None) -> dict:
     default = fk.set_stream("auto")
     out = {"cpu": cpu_name(), "features": fk.features(), "default": default, "hidden": H, "ffn": FF,
            "copies": copies, "rounds": args.rounds, "rows": []}
-    print(f"# {out['cpu']}, default {default['hint']}:{default['distance']} ({default['source']}), "
+    print(f"# {out['cpu']}, default {default['spec']} ({default['source']}), "
           f"expert {H}x{FF}, {copies} copies, best of {args.rounds} interleaved rounds")
     for tokens in args.tokens:
         x = torch.randn(tokens, H, generator=g).bfloat16()
@@ -72,12 +73,12 @@ def main(argv=None) -> dict:
             fk.set_stream("auto")
         nb = experts[0].nbytes
         print(f"\n{tokens} token(s): read limit {limit:.1f} GB/s")
-        print(f"{'prefetch':>10} {'GB/s':>7} {'of limit':>9}")
+        print(f"{'prefetch':>14} {'GB/s':>7} {'of limit':>9}")
         for c in CANDIDATES:
             gbps = nb / best[c] / 1e9
             out["rows"].append({"tokens": tokens, "prefetch": c, "gbps": gbps, "limit_gbps": limit,
                                 "fraction": gbps / limit})
-            print(f"{c:>10} {gbps:>7.1f} {gbps / limit:>9.3f}")
+            print(f"{c:>14} {gbps:>7.1f} {gbps / limit:>9.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -259,7 +259,7 @@ def test_read_limit_does_not_follow_the_kernel_tuning():
         fk.set_stream("none")
         b = set(fk.read_limit(nbytes=8 << 20, threads=1, repeats=1, cached=False)["strategies"])
     finally:
-        fk.set_stream(f"{prev['hint']}:{prev['distance']}")
+        fk.set_stream(prev["spec"])
     assert a == b == {"read_none_1t", "read_t0_1t", "read_t1_1t", "read_nta_1t", "gemv_fp32_1t"}
 
 
@@ -268,9 +268,11 @@ def test_stream_tuning_default_override_and_errors():
     assert d["hint"] in fk.HINTS and d["distance"] % 64 == 0 and d["source"].startswith("table")
     assert fk.features()["stream"] == d
     try:
-        assert fk.set_stream("t0:1024") == {"hint": "t0", "distance": 1024, "source": "set_stream"}
+        assert fk.set_stream("t0:1024") == {"hint": "t0", "distance": 1024, "far": 0, "spec": "t0:1024",
+                                            "source": "set_stream"}
+        assert fk.set_stream("t0:512/4096")["far"] == 4096 and fk.stream()["spec"] == "t0:512/4096"
         assert fk.set_stream("nta")["distance"] == 4096
-        for bad in ("t3", "t0:100", "t0:x", "t0:0"):
+        for bad in ("t3", "t0:100", "t0:x", "t0:0", "t0:64/100", "t0:64/-64"):
             with pytest.raises(ValueError):
                 fk.set_stream(bad)
         assert fk.stream()["hint"] == "nta"  # a refused value changes nothing
@@ -279,7 +281,7 @@ def test_stream_tuning_default_override_and_errors():
     assert fk.stream() == d
 
 
-@pytest.mark.parametrize("spec", ["none", "t0:64", "t1:4096", "nta:65536"])
+@pytest.mark.parametrize("spec", ["none", "t0:64", "t1:4096", "nta:65536", "t0:1024/4096", "none:64/8192"])
 def test_every_stream_prefetch_computes_the_same_bits(spec):
     """The prefetch is a hint: every choice gives identical outputs at 1..13 tokens."""
     g = torch.Generator().manual_seed(3)
@@ -299,7 +301,7 @@ def test_stream_override_from_the_environment():
     code = "import fiddler.kernels as fk; print(fk.stream())"
     env = {**os.environ, "FIDDLER_KERNEL_STREAM": "t0:2048"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert "'hint': 't0', 'distance': 2048, 'source': 'FIDDLER_KERNEL_STREAM'" in out
+    assert "'spec': 't0:2048', 'source': 'FIDDLER_KERNEL_STREAM'" in out
     env["FIDDLER_KERNEL_STREAM"] = "bogus"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode != 0 and "unknown stream prefetch 'bogus'" in r.stderr
@@ -308,12 +310,12 @@ def test_stream_override_from_the_environment():
 def test_tune_stream_picks_the_fastest_measured_candidate():
     prev = fk.stream()
     try:
-        res = fk.tune_stream(candidates=("none", "t0:1024"), nbytes=16 << 20, rounds=1)
-        assert set(res["gbps"]) == {"none", "t0:1024"} and res["chosen"] == max(res["gbps"], key=res["gbps"].get)
+        res = fk.tune_stream(candidates=("none", "t0:1024/4096"), nbytes=16 << 20, rounds=1)
+        assert set(res["gbps"]) == {"none", "t0:1024/4096"} and res["candidate"] == max(res["gbps"], key=res["gbps"].get)
         st = fk.stream()
-        assert f"{st['hint']}:{st['distance']}".startswith(res["chosen"].split(":")[0]) and st["source"].startswith("tune_stream")
+        assert st["spec"] == res["chosen"] and st["source"].startswith("tune_stream")
     finally:
-        fk.set_stream(f"{prev['hint']}:{prev['distance']}")
+        fk.set_stream(prev["spec"])
 
 
 _SMALL_CALL = """

@@ -166,45 +166,50 @@ HINTS = ("none", "t0", "t1", "nta")  # codes 0..3 of the C library
 
 
 def stream() -> dict:
-    """The weight stream's active prefetch: {"hint", "distance", "source"} (source: the per-vendor
-    table, FIDDLER_KERNEL_STREAM, tune_stream() or set_stream())."""
+    """The weight stream's active prefetch: {"hint", "distance", "far", "spec", "source"} (far: the
+    L2 prefetch's distance, 0 for none; spec: the set_stream() form; source: the per-vendor table,
+    FIDDLER_KERNEL_STREAM, tune_stream() or set_stream())."""
     L = _L()
-    return {"hint": HINTS[L.fk_stream_hint()], "distance": int(L.fk_stream_distance()),
+    hint, dist, far = HINTS[L.fk_stream_hint()], int(L.fk_stream_distance()), int(L.fk_stream_far())
+    return {"hint": hint, "distance": dist, "far": far, "spec": f"{hint}:{dist}" + (f"/{far}" if far else ""),
             "source": L.fk_stream_source().decode()}
 
 
 def set_stream(spec: str | None = None, source: str = "set_stream") -> dict:
-    """Sets the weight stream's prefetch: "HINT[:DISTANCE]" with HINT one of none, t0, t1, nta and
-    DISTANCE in bytes (a multiple of 64, default 4096), "auto"/None for this CPU's default, or
-    "tune" to measure the candidates here (tune_stream). Returns `stream()`."""
+    """Sets the weight stream's prefetch: "HINT[:DISTANCE][/FAR]" with HINT one of none, t0, t1, nta,
+    DISTANCE in bytes (a multiple of 64, default 4096) and FAR the distance of a second prefetch into
+    L2 (default none), e.g. "t0:1024/4096"; "auto"/None for this CPU's default, or "tune" to measure
+    the candidates here (tune_stream). Returns `stream()`."""
     spec = (spec or "auto").strip().lower()
     if spec == "auto":
-        _lib.check(_L().fk_set_stream(-1, 0, None))
+        _lib.check(_L().fk_set_stream(-1, 0, 0, None))
         return stream()
     if spec == "tune":
         tune_stream()
         return stream()
-    hint, _, dist = spec.partition(":")
+    near, _, far_s = spec.partition("/")
+    hint, _, dist = near.partition(":")
     if hint not in HINTS:
-        raise ValueError(f"unknown stream prefetch {spec!r}: use HINT[:BYTES] with HINT in {', '.join(HINTS)}, "
-                         "or auto, or tune")
+        raise ValueError(f"unknown stream prefetch {spec!r}: use HINT[:BYTES][/FAR_BYTES] with HINT in "
+                         f"{', '.join(HINTS)}, or auto, or tune")
     try:
         distance = int(dist) if dist else 4096
+        far = int(far_s) if far_s else 0
     except ValueError:
-        raise ValueError(f"stream prefetch distance must be an int number of bytes, got {dist!r}") from None
-    if _L().fk_set_stream(HINTS.index(hint), distance, source.encode()) != 0:
+        raise ValueError(f"stream prefetch distances must be int numbers of bytes, got {spec!r}") from None
+    if _L().fk_set_stream(HINTS.index(hint), distance, far, source.encode()) != 0:
         raise ValueError(f"cannot set stream prefetch {spec!r}: {_L().fk_last_error().decode()}")
     return stream()
 
 
-TUNE_CANDIDATES = ("none", "t0:1024", "t0:2048", "t0:4096", "t1:1024", "t1:2048", "nta:1024", "nta:4096")
+TUNE_CANDIDATES = ("none", "t0:1024", "t0:2048", "t0:1024/4096", "t0:2048/8192", "t1:2048", "nta:1024", "nta:4096")
 
 
 def tune_stream(candidates=TUNE_CANDIDATES, nbytes: int | None = None, rounds: int = 2,
                 hidden: int = 4096, ffn: int = 14336) -> dict:
     """Measures the expert kernel at one token (the decode regime) with each candidate prefetch,
-    interleaved over `rounds`, keeps the fastest and returns {"chosen": spec, "gbps": {spec: best
-    GB/s}}. The experts (Mixtral-8x7B's shape by default; their weight bits do not matter) are
+    interleaved over `rounds`, keeps the fastest and returns {"chosen": its spec as stream() gives it,
+    "candidate": the winning candidate, "gbps": {candidate: best GB/s}}. The experts (Mixtral-8x7B's shape by default; their weight bits do not matter) are
     cycled through `nbytes` of memory (default: twice the last-level cache, 256 MiB to 2 GiB), so
     they come from DRAM as in decode."""
     nbytes = nbytes or min(max(256 << 20, 2 * _llc_bytes()), 2 << 30)
@@ -229,10 +234,10 @@ def tune_stream(candidates=TUNE_CANDIDATES, nbytes: int | None = None, rounds: i
                 _lib.check(L.fk_expert_ffn(base, base + b13, hidden, ffn, x.data_ptr(), 1, y.data_ptr(), 0))
                 best[c] = max(best[c], per / (time.perf_counter() - t) / 1e9)
     finally:
-        set_stream(f"{prev['hint']}:{prev['distance']}", source=prev["source"])
-    chosen = max(best, key=best.get)
-    set_stream(chosen, source=f"tune_stream: measured {best[chosen]:.1f} GB/s here, best of {len(candidates)}")
-    return {"chosen": chosen, "gbps": best}
+        set_stream(prev["spec"], source=prev["source"])
+    winner = max(best, key=best.get)
+    st = set_stream(winner, source=f"tune_stream: measured {best[winner]:.1f} GB/s here, best of {len(candidates)}")
+    return {"chosen": st["spec"], "candidate": winner, "gbps": best}
 
 
 # ------------------------------------------------------------------ the independent limit

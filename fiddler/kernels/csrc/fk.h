@@ -41,16 +41,18 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 // How a vector path streams weights that it reads once from DRAM (a 1..12-token group): a software
-// prefetch `distance` bytes ahead with a hint, or none. The best choice differs between CPUs (on an
-// Intel Xeon NTA halved the rate that T0 reached; on an AMD Zen 5 NTA was slightly faster), so it
-// is chosen on the machine at run time (fk_tuning.cpp) and can be overridden.
+// prefetch `distance` bytes ahead with a hint (or none), plus optionally a second one into L2 (T1)
+// `far` bytes ahead, which keeps more lines in flight than the L1 fill buffers allow. The best choice
+// differs between CPUs (on an Intel Xeon NTA halved the rate that T0 reached; on an AMD Zen 5 NTA was
+// slightly faster), so it is chosen on the machine at run time (fk_tuning.cpp) and can be overridden.
 enum StreamHint { kHintNone = 0, kHintT0 = 1, kHintT1 = 2, kHintNta = 3, kNumHints = 4 };
 extern const char* const kHintNames[kNumHints];
 struct StreamTuning {
   int hint;
   int64_t distance;  // bytes, a multiple of 64
+  int64_t far;       // bytes ahead of the second (T1) prefetch, a multiple of 64; 0: none
 };
-StreamTuning stream_tuning();  // the active choice (cheap: two relaxed atomic loads)
+StreamTuning stream_tuning();  // the active choice (cheap: relaxed atomic loads)
 
 template <int Hint>
 inline void prefetch(const void* p) {

@@ -34,13 +34,14 @@ FK_API int fk_compiled_x86() {
 FK_API void fk_set_num_threads(int n) { set_default_threads(n); }
 FK_API int fk_get_num_threads() { return default_threads(); }
 
-// Weight-stream knobs: hint (0 none, 1 t0, 2 t1, 3 nta; -1: back to the per-CPU default) and
-// distance in bytes; `source` is recorded with the choice.
-FK_API int fk_set_stream(int hint, int64_t distance, const char* source) {
-  return set_stream_tuning(hint, distance, source);
+// Weight-stream knobs: hint (0 none, 1 t0, 2 t1, 3 nta; -1: back to the per-CPU default), its
+// distance in bytes, and the L2 prefetch's distance (0: none); `source` is recorded with the choice.
+FK_API int fk_set_stream(int hint, int64_t distance, int64_t far, const char* source) {
+  return set_stream_tuning(hint, distance, far, source);
 }
 FK_API int fk_stream_hint() { return stream_tuning().hint; }
 FK_API int64_t fk_stream_distance() { return stream_tuning().distance; }
+FK_API int64_t fk_stream_far() { return stream_tuning().far; }
 FK_API const char* fk_stream_source() { return stream_tuning_source(); }
 
 // ---------------------------------------------------------------- packing and drivers

@@ -18,7 +18,7 @@ constexpr int kMr = 2;  // 2 tokens x 32 rows = 8 ymm accumulators (of 16 regist
 // Hint/dist: the weight stream's software prefetch (StreamHint, chosen at run time in fk_tuning.cpp).
 template <int M, int Hint>
 void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
-        bool accumulate, int64_t dist) {
+        bool accumulate, int64_t dist, int64_t far) {
   __m256 c[M][4];
   for (int t = 0; t < M; ++t)
     for (int j = 0; j < 4; ++j)
@@ -29,6 +29,10 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
     if constexpr (Hint != kHintNone) {
       prefetch<Hint>(wp + dist);
       prefetch<Hint>(wp + dist + 64);
+    }
+    if (far) {
+      prefetch<kHintT1>(wp + far);
+      prefetch<kHintT1>(wp + far + 64);
     }
     __m256 xe[M], xo[M];
     for (int t = 0; t < M; ++t) {
@@ -51,21 +55,23 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
 
 template <int Hint>
 void mk_hint(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m, float* acc,
-             bool accumulate, int64_t dist) {
-  if (m == 1) mk<1, Hint>(w, kpairs, x, ldx, acc, accumulate, dist);
-  else mk<2, Hint>(w, kpairs, x, ldx, acc, accumulate, dist);
+             bool accumulate, int64_t dist, int64_t far) {
+  if (m == 1) mk<1, Hint>(w, kpairs, x, ldx, acc, accumulate, dist, far);
+  else mk<2, Hint>(w, kpairs, x, ldx, acc, accumulate, dist, far);
 }
 
 // Several token groups reuse a chunk from L2 (pf_lines > 0): no stream prefetch then.
 void mk_avx2(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
              float* acc, bool accumulate, const char*, int64_t pf_lines) {
   const StreamTuning st = stream_tuning();
-  const int hint = pf_lines > 0 ? int(kHintNone) : st.hint;
+  const bool streaming = pf_lines <= 0;
+  const int hint = streaming ? st.hint : int(kHintNone);
+  const int64_t far = streaming ? st.far : 0;
   switch (hint) {
-    case kHintT0: return mk_hint<kHintT0>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
-    case kHintT1: return mk_hint<kHintT1>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
-    case kHintNta: return mk_hint<kHintNta>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
-    default: return mk_hint<kHintNone>(w, kpairs, x, ldx, m, acc, accumulate, st.distance);
+    case kHintT0: return mk_hint<kHintT0>(w, kpairs, x, ldx, m, acc, accumulate, st.distance, far);
+    case kHintT1: return mk_hint<kHintT1>(w, kpairs, x, ldx, m, acc, accumulate, st.distance, far);
+    case kHintNta: return mk_hint<kHintNta>(w, kpairs, x, ldx, m, acc, accumulate, st.distance, far);
+    default: return mk_hint<kHintNone>(w, kpairs, x, ldx, m, acc, accumulate, st.distance, far);
   }
 }
 

@@ -19,10 +19,10 @@ inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 // acc[M][32] (+)= W[kp][32][2] . x[M][2kp..2kp+1]: each 128-byte kp row of the block is loaded
 // once into 2 registers and multiplied with every token's broadcast column pair.
 // Hint: the software prefetch of the weight stream when this call streams from DRAM (StreamHint;
-// chosen per CPU at run time, see fk_tuning.cpp), `dist` bytes ahead.
+// chosen per CPU at run time, see fk_tuning.cpp), `dist` bytes ahead, and into L2 `far` bytes ahead.
 template <int M, int Hint>
 void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float* acc,
-        bool accumulate, const char* pf, int64_t pf_lines, int64_t dist) {
+        bool accumulate, const char* pf, int64_t pf_lines, int64_t dist, int64_t far) {
   __m512 c[M][2];
   for (int t = 0; t < M; ++t)
     for (int j = 0; j < 2; ++j)
@@ -41,6 +41,10 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
         prefetch<Hint>(wp + dist);
         prefetch<Hint>(wp + dist + 64);
       }
+      if (far) {
+        prefetch<kHintT1>(wp + far);
+        prefetch<kHintT1>(wp + far + 64);
+      }
     } else if (pf_lines > 0) {
       for (int64_t i = 0; i < per; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
       pf += 64 * per;
@@ -58,7 +62,7 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
 }
 
 using MkFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, bool, const char*,
-                      int64_t, int64_t);
+                      int64_t, int64_t, int64_t);
 template <int Hint>
 constexpr MkFn kMkRow[kMr] = {mk<1, Hint>, mk<2, Hint>, mk<3, Hint>, mk<4, Hint>,
                               mk<5, Hint>, mk<6, Hint>, mk<7, Hint>, mk<8, Hint>,
@@ -69,7 +73,7 @@ constexpr const MkFn* kMk[kNumHints] = {kMkRow<kHintNone>, kMkRow<kHintT0>, kMkR
 void mk_avx512(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
                float* acc, bool accumulate, const char* pf, int64_t pf_lines) {
   const StreamTuning st = stream_tuning();
-  kMk[st.hint][m - 1](w, kpairs, x, ldx, acc, accumulate, pf, pf_lines, st.distance);
+  kMk[st.hint][m - 1](w, kpairs, x, ldx, acc, accumulate, pf, pf_lines, st.distance, st.far);
 }
 
 }  // namespace

@@ -66,8 +66,9 @@ int default_threads();
 
 // ---------------------------------------------------------------- stream tuning (fk_tuning.cpp)
 // Sets the weight stream's knobs (hint: StreamHint, distance: bytes, a multiple of 64 in
-// [64, 65536]); `source` says where the choice came from. 0 or an error (fail).
-int set_stream_tuning(int hint, int64_t distance, const char* source);
+// [64, 65536]; far: the L2 prefetch's distance, 0 or a multiple of 64 up to 65536); `source` says
+// where the choice came from. 0 or an error (fail).
+int set_stream_tuning(int hint, int64_t distance, int64_t far, const char* source);
 const char* stream_tuning_source();
 
 // ---------------------------------------------------------------- thread pool (fk_pool.cpp)

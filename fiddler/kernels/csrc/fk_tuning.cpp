@@ -23,6 +23,7 @@ struct Default {
   const char* vendor;  // CPUID vendor string
   int hint;
   int64_t distance;
+  int64_t far;
   const char* why;
 };
 
@@ -36,10 +37,10 @@ struct Default {
 //   commit 882f944).
 // Anything else gets T0, which was within a few percent of the best on both.
 constexpr Default kTable[] = {
-    {"GenuineIntel", kHintT0, 2048, "table: Intel (T0 2 KiB; NTA streamed at half the rate)"},
-    {"AuthenticAMD", kHintNta, 4096, "table: AMD (NTA 4 KiB; 2-3% over T0 on Zen 5)"},
+    {"GenuineIntel", kHintT0, 1024, 4096, "table: Intel (T0 1 KiB + L2 4 KiB; NTA streamed at half the rate)"},
+    {"AuthenticAMD", kHintNta, 4096, 0, "table: AMD (NTA 4 KiB; 2-3% over T0 on Zen 5)"},
 };
-constexpr Default kFallback = {"", kHintT0, 2048, "table: other CPUs (T0 2 KiB)"};
+constexpr Default kFallback = {"", kHintT0, 2048, 0, "table: other CPUs (T0 2 KiB)"};
 
 std::string cpu_vendor() {
 #if defined(__x86_64__)
@@ -68,6 +69,7 @@ const Default& table_default() {
 
 std::atomic<int> g_hint{-1};  // -1: the table's choice, set on first use
 std::atomic<int64_t> g_distance{0};
+std::atomic<int64_t> g_far{0};
 std::mutex g_source_mu;
 std::string g_source;
 
@@ -78,6 +80,7 @@ void ensure_default() {
   if (g_hint.load() >= 0) return;
   g_source = d.why;
   g_distance.store(d.distance);
+  g_far.store(d.far);
   g_hint.store(d.hint);
 }
 
@@ -85,23 +88,29 @@ void ensure_default() {
 
 StreamTuning stream_tuning() {
   if (g_hint.load(std::memory_order_relaxed) < 0) ensure_default();
-  return {g_hint.load(std::memory_order_relaxed), g_distance.load(std::memory_order_relaxed)};
+  return {g_hint.load(std::memory_order_relaxed), g_distance.load(std::memory_order_relaxed),
+          g_far.load(std::memory_order_relaxed)};
 }
 
-int set_stream_tuning(int hint, int64_t distance, const char* source) {
+int set_stream_tuning(int hint, int64_t distance, int64_t far, const char* source) {
   if (hint < 0) {  // back to the table
     const Default& d = table_default();
     hint = d.hint;
     distance = d.distance;
+    far = d.far;
     source = d.why;
   }
   if (hint >= kNumHints) return fail("unknown prefetch hint code " + std::to_string(hint));
   if (distance < 64 || distance > 65536 || distance % 64)
     return fail("prefetch distance must be a multiple of 64 bytes in [64, 65536], got " +
                 std::to_string(distance));
+  if (far < 0 || far > 65536 || far % 64)
+    return fail("the far (L2) prefetch distance must be 0 or a multiple of 64 bytes up to 65536, got " +
+                std::to_string(far));
   std::lock_guard<std::mutex> g(g_source_mu);
   g_source = source ? source : "set";
   g_distance.store(distance);
+  g_far.store(far);
   g_hint.store(hint);
   return 0;
 }

@@ -259,7 +259,7 @@ def limit_buffer(nbytes: int | None = None) -> torch.Tensor:
     return buf
 
 
-def read_limit(nbytes: int | None = None, threads: int | None = None, repeats: int = 2, cached: bool = True,
+def read_limit(nbytes: int | None = None, threads: int | None = None, repeats: int = 3, cached: bool = True,
                buffer: torch.Tensor | None = None) -> dict:
     """The memory-read limit of this host, the one probe of the project (the engine's decode bound,
     `environment=local` and the benchmarks all use it): the best of several streaming reads (plain

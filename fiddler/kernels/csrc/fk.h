@@ -61,6 +61,20 @@ inline void prefetch(const void* p) {
   else if constexpr (Hint == kHintNta) __builtin_prefetch(p, 0, 0);
 }
 
+// The stream prefetches of one 128-byte step of a weight stream at wp: `Hint` `dist` bytes ahead and
+// into L2 `far` bytes ahead (0: none). Shared by the vector paths' micro-kernels.
+template <int Hint>
+inline void prefetch_stream_step(const char* wp, int64_t dist, int64_t far) {
+  if constexpr (Hint != kHintNone) {
+    prefetch<Hint>(wp + dist);
+    prefetch<Hint>(wp + dist + 64);
+  }
+  if (far) {
+    prefetch<kHintT1>(wp + far);
+    prefetch<kHintT1>(wp + far + 64);
+  }
+}
+
 // One ISA path. The driver (fk_api.cpp) does blocking, threading and padding; a path supplies:
 struct IsaOps {
   const char* name;

@@ -26,14 +26,7 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
   const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
   const char* wp = reinterpret_cast<const char*>(w);
   for (int64_t kp = 0; kp < kpairs; ++kp, wp += 128) {
-    if constexpr (Hint != kHintNone) {
-      prefetch<Hint>(wp + dist);
-      prefetch<Hint>(wp + dist + 64);
-    }
-    if (far) {
-      prefetch<kHintT1>(wp + far);
-      prefetch<kHintT1>(wp + far + 64);
-    }
+    prefetch_stream_step<Hint>(wp, dist, far);
     __m256 xe[M], xo[M];
     for (int t = 0; t < M; ++t) {
       int pair;

@@ -37,14 +37,7 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
   const int64_t per = (pf_lines + kpairs - 1) / kpairs;
   for (int64_t kp = 0; kp < kpairs; ++kp, wp += 128) {
     if (streaming) {
-      if constexpr (Hint != kHintNone) {
-        prefetch<Hint>(wp + dist);
-        prefetch<Hint>(wp + dist + 64);
-      }
-      if (far) {
-        prefetch<kHintT1>(wp + far);
-        prefetch<kHintT1>(wp + far + 64);
-      }
+      prefetch_stream_step<Hint>(wp, dist, far);
     } else if (pf_lines > 0) {
       for (int64_t i = 0; i < per; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
       pf += 64 * per;

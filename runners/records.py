@@ -12,7 +12,9 @@ Schema (version 1; keys are stable, new keys may be added in a minor revision):
 
 Writes are crash-safe: a run directory's files are replaced atomically (temporary file + rename)
 and index appends are whole lines, flushed and fsync'ed under a file lock, so concurrent launcher
-workers and killed processes never leave a half-written line.
+workers and killed processes never leave a half-written line. Reads survive anything: a line that is
+not UTF-8, not JSON or not a usable record (:func:`record_problem`) is reported with file:line and
+skipped.
 """
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ import datetime as _dt
 import functools
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
-import tempfile
+import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from filelock import FileLock
 
@@ -94,7 +97,9 @@ def now_iso() -> str:
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so that readers see the old or the new file, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    # os.open with 0o666 lets the kernel apply the user's umask (mkstemp would force 0600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -102,7 +107,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -119,21 +124,24 @@ def append_lines(path: Path, records: Iterable[dict[str, Any]]) -> None:
             os.fsync(f.fileno())
 
 
-def read_jsonl(path: Path, *, strict: bool = False) -> list[dict[str, Any]]:
-    """Records of a JSONL file. A damaged line is reported (warning naming file and line) and skipped."""
+def read_jsonl(path: Path, *, strict: bool = False,
+               check: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
+    """JSON objects of a JSONL file. A damaged line (any bytes: not UTF-8, not JSON, not an object,
+    or rejected by `check`) is reported (warning naming file and line) and skipped."""
     out: list[dict[str, Any]] = []
     if not path.exists():
         return out
-    with open(path) as f:
+    with open(path, "rb") as f:  # bytes: one bad byte must cost one line, not the file
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                msg = f"{path}:{lineno}: damaged record line skipped ({exc})"
+                rec = json.loads(line.decode("utf-8"))
+                problem = "not a JSON object" if not isinstance(rec, dict) else check(rec) if check else None
+                if problem:
+                    raise ValueError(problem)
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+                msg = f"{path}:{lineno}: damaged record line skipped ({str(exc)[:200]})"
                 if strict:
                     raise ValueError(msg) from exc
                 warnings.warn(msg, stacklevel=2)
@@ -143,13 +151,66 @@ def read_jsonl(path: Path, *, strict: bool = False) -> list[dict[str, Any]]:
     return out
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _metric_problem(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if key == "best":
+        ok = isinstance(value, dict) and all(v is None or _is_number(v) for v in value.values())
+    elif key == "valid":
+        ok = isinstance(value, bool)
+    elif key in ("repetitions", "tokens"):
+        ok = _is_int(value)
+    else:
+        ok = _is_number(value)
+    return None if ok else f"metrics.{key}={value!r} is not a {'boolean' if key == 'valid' else 'number'}"
+
+
+# metrics every `ok` record has (decode_tok_s is None when only one token was generated)
+_OK_METRICS = ("ttft_s", "prefill_tok_s", "e2e_tok_s")
+
+
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """Why `rec` is not a record that tables and resume can use, or None. Checks the shape they read,
+    so that any JSON object is either shown correctly or reported, and never `ok` without metrics."""
+    if rec.get("status") not in STATUSES:
+        return f"status={rec.get('status')!r} is not one of {', '.join(STATUSES)}"
+    for key in ("system", "model", "workload", "environment", "mode", "time", "reason", "run_id", "config_hash"):
+        if rec.get(key) is not None and not isinstance(rec[key], str):
+            return f"{key}={rec[key]!r} is not a string"
+    point = rec.get("point")
+    if not isinstance(point, dict) or not all(_is_int(point.get(k)) for k in ("input_len", "output_len", "beam_width")):
+        return f"point={point!r} is not {{input_len, output_len, beam_width}} integers"
+    for key in ("config", "metrics"):
+        if rec.get(key) is not None and not isinstance(rec[key], dict):
+            return f"{key} is not an object"
+    metrics = rec.get("metrics") or {}
+    if rec["status"] == "ok":
+        missing = [k for k in _OK_METRICS if not _is_number(metrics.get(k))]
+        if missing:
+            return f"an ok record without metrics ({', '.join(missing)})"
+    return next(filter(None, (_metric_problem(k, v) for k, v in metrics.items())), None)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Benchmark records of a JSONL file; lines that are not usable records are reported and skipped."""
+    return read_jsonl(path, check=record_problem)
+
+
 class RunRecords:
     """The records of one Hydra job: `records.jsonl` in its directory plus the project index."""
 
     def __init__(self, run_dir: Path, index_path: Path):
         self.run_dir = Path(run_dir)
         self.index_path = Path(index_path)
-        self.records: list[dict[str, Any]] = read_jsonl(self.path)
+        self.records: list[dict[str, Any]] = read_records(self.path)
 
     @property
     def path(self) -> Path:
@@ -165,20 +226,20 @@ class RunRecords:
 
 def ok_records_by_hash(index_path: Path) -> dict[str, dict[str, Any]]:
     """The latest `ok` record of every config hash in the index (for resume)."""
-    return {rec["config_hash"]: rec for rec in read_jsonl(index_path)
-            if rec.get("status") == "ok" and rec.get("config_hash")}
+    return {rec["config_hash"]: rec for rec in read_records(index_path)
+            if rec["status"] == "ok" and rec.get("config_hash") and rec.get("run_id")}
 
 
 def collect(paths) -> list[dict[str, Any]]:
     """Records of JSONL files (records.jsonl, the project index) and of directories holding them
-    (every records.jsonl below, in path order)."""
+    (every records.jsonl below, in path order); damaged lines are reported and skipped."""
     recs: list[dict[str, Any]] = []
     for p in map(Path, paths):
         if p.is_dir():
             for f in sorted(p.rglob("records.jsonl")):
-                recs.extend(read_jsonl(f))
+                recs.extend(read_records(f))
         elif p.is_file():
-            recs.extend(read_jsonl(p))
+            recs.extend(read_records(p))
         else:
             raise FileNotFoundError(f"no such file or directory: {p}")
     return recs

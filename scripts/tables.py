@@ -4,7 +4,8 @@ directories holding them (searched recursively).
     python scripts/tables.py results/index.jsonl
     python scripts/tables.py results/multirun/2026-11-29 --out /tmp/table --system fiddler llama_cpp
 
-Damaged lines are reported on stderr with file and line number and skipped, never silently dropped.
+Damaged lines (any bytes that are not a usable record: not UTF-8, not JSON, the wrong shape, `ok`
+without metrics) are reported on stderr with file and line number and skipped, never silently dropped.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         recs = collect(args.paths)
-    except FileNotFoundError as exc:
+    except OSError as exc:  # a missing path, or a file that cannot be read
         raise SystemExit(f"error: {exc}") from None
     if args.system:
         recs = [r for r in recs if r.get("system") in args.system]

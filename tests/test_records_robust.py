@@ -1,0 +1,100 @@
+"""The index and the tables survive any bytes and any JSON shape: a bad line is reported with
+file:line and skipped, and a row is never `ok` without its metrics. Run files get the user's umask.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from runners import records, tables
+from tests.test_harness import _job
+
+_spec = importlib.util.spec_from_file_location(
+    "tables_script", Path(__file__).resolve().parents[1] / "scripts" / "tables.py")
+tables_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tables_script)
+
+GOOD = {"schema_version": 1, "run_id": "r1", "time": "2026-01-01T00:00:00+00:00", "status": "ok", "reason": None,
+        "system": "s", "model": "m", "workload": "w", "environment": "e", "mode": "execute",
+        "point": {"input_len": 8, "output_len": 4, "beam_width": 1}, "config_hash": "h1",
+        "metrics": {"ttft_s": 0.5, "prefill_tok_s": 16.0, "decode_tok_s": 3.0, "e2e_tok_s": 2.0,
+                    "ttft_s_sd": 0.0, "repetitions": 3, "valid": True, "best": {"ttft_s": 0.4}}}
+
+
+def test_non_utf8_index_line_is_skipped_and_the_run_goes_on(tmp_path, capsys):
+    """Bug 3: one non-UTF-8 byte in the index stopped everything with a UnicodeDecodeError."""
+    (tmp_path / "index.jsonl").write_bytes(b"\xff\n")
+    with pytest.warns(UserWarning, match=r"index.jsonl:1: damaged record line skipped"):
+        recs = _job(tmp_path, "workload.input_lens=[8]", "run.isolation=inline")
+    assert [r["status"] for r in recs] == ["ok"]
+    assert "index.jsonl:1: damaged" in capsys.readouterr().err
+
+
+def test_tables_script_skips_non_utf8_lines(tmp_path, capsys):
+    """Bug 3, scripts/tables.py: the same byte crashed the table builder."""
+    path = tmp_path / "index.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe garbage\n")
+    with pytest.warns(UserWarning, match=r"index.jsonl:2"):
+        assert tables_script.main([str(path)]) == 0
+    out = capsys.readouterr()
+    assert "index.jsonl:2: damaged record line skipped" in out.err and "| s " in out.out
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"status": "ok", "point": None}, "point"),
+    ({"status": "ok", "time": 5, "point": {"input_len": "a"}}, "time"),
+    ({"status": "ok"}, "point"),
+    ({**GOOD, "metrics": None}, "without metrics"),
+    ({**GOOD, "metrics": {"ttft_s": 1.0}}, "without metrics"),
+    ({**GOOD, "metrics": {**GOOD["metrics"], "e2e_tok_s": "fast"}}, "without metrics"),
+    ({**GOOD, "status": "error", "metrics": {"ttft_s": "x"}}, "metrics.ttft_s"),
+    ({**GOOD, "status": "done"}, "status"),
+    ({**GOOD, "point": {"input_len": True, "output_len": 4, "beam_width": 1}}, "point"),
+    ({**GOOD, "config": [1, 2]}, "config"),
+    ({**GOOD, "metrics": {**GOOD["metrics"], "best": [1]}}, "metrics.best"),
+])
+def test_wrong_shapes_are_reported_and_never_an_ok_row(tmp_path, capsys, bad, why):
+    """Bug 4: valid JSON of the wrong shape crashed scripts/tables.py (AttributeError, TypeError) or
+    became an `ok` row of nan."""
+    path = tmp_path / "index.jsonl"
+    path.write_text(json.dumps(bad) + "\n" + json.dumps(GOOD) + "\n")
+    with pytest.warns(UserWarning, match=r"index.jsonl:1: damaged record line skipped"):
+        assert tables_script.main([str(path)]) == 0
+    out = capsys.readouterr()
+    assert why in out.err.splitlines()[0]
+    rows = [line for line in out.out.splitlines() if line.startswith("| s ")]
+    assert len(rows) == 1 and "0.500 ± 0.000" in rows[0]  # only the good record, with its metrics
+
+
+def test_every_json_shape_either_tables_or_is_reported(tmp_path):
+    """Any JSON value on a line: the reader and the table builder never raise."""
+    shapes = [None, 1, "s", [], [GOOD], {}, {"status": None}, {"status": "ok", "point": {}},
+              {**GOOD, "point": {"input_len": 1.5, "output_len": 1, "beam_width": 1}},
+              {**GOOD, "metrics": {**GOOD["metrics"], "ttft_s": float("nan")}}, {**GOOD, "system": {"a": 1}},
+              {**GOOD, "config": {"system": {"planner": [1, {"x": None}]}}}, "[" * 100000]
+    path = tmp_path / "index.jsonl"
+    path.write_text("".join((s if isinstance(s, str) and s.startswith("[") else json.dumps(s)) + "\n"
+                            for s in shapes) + json.dumps(GOOD) + "\n")
+    with pytest.warns(UserWarning):
+        recs = records.read_records(path)
+    table = tables.build(recs)
+    assert len(recs) == 2 and list(table["status"]) == ["ok", "ok"]
+    assert "planner" in tables.to_markdown(table)
+
+
+def test_run_files_get_the_users_umask(tmp_path):
+    """Run files were created with mode 0600 (mkstemp), whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        _job(tmp_path, "workload.input_lens=[8]", "run.isolation=inline")
+        os.umask(0o002)
+        records.atomic_write_text(tmp_path / "group.txt", "x")
+    finally:
+        os.umask(old)
+    for name in ("records.jsonl", "table.md", "table.csv"):
+        assert (tmp_path / "run" / name).stat().st_mode & 0o777 == 0o644, name
+    assert (tmp_path / "group.txt").stat().st_mode & 0o777 == 0o664

@@ -9,12 +9,13 @@ import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.base import SystemUnavailable
-from runners import records, tables
+from runners import identity, records, tables
 from runners.schema import Config, ConfigError, Isolation, Mode, validate
 from runners.session import Job, Session, base_record, load_adapter_class
 from runners.workloads import expand
@@ -73,25 +74,28 @@ def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
 
 def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     """Measure the job's configurations; returns this job's records (also written to disk)."""
+    # resume is decided on the config as asked (identity.py), before anything is detected or loaded
+    requested = identity.requested_config(cfg)
+    run_dir = Path(run_dir)
+    index_path = Path(requested["run"]["index_path"]).expanduser() if requested["run"]["index_path"] \
+        else records.default_index_path()
+    points = [p.as_dict() for p in expand(SimpleNamespace(**requested["workload"]))]
+    hashes = [records.config_hash(requested, p) for p in points]
+    resume = requested["run"]["resume"] and not requested["run"]["force"]
+    done = records.ok_records_by_hash(index_path) if resume else {}
+    todo = [i for i, h in enumerate(hashes) if h not in done]
+    store = records.RunRecords(run_dir, index_path)
+    if points and not todo:
+        # Every configuration has an ok record of this code and this requested config, which passed
+        # validation when it ran; so nothing is validated, detected (the bandwidth probe) or loaded.
+        _add_resumed(store, done, hashes, len(points))
+        _write_table(store.records, run_dir)
+        return store.records
+
     conf, resolved = prepare(cfg)
     model_path = resolve_model_path(conf)
-    run_dir = Path(run_dir)
-    index_path = Path(conf.run.index_path).expanduser() if conf.run.index_path else records.default_index_path()
-    store = records.RunRecords(run_dir, index_path)
-
-    points = [p.as_dict() for p in expand(conf.workload)]
-    hashes = [records.config_hash(resolved, p) for p in points]
+    _add_resumed(store, done, hashes, len(points))
     run_id = uuid.uuid4().hex[:12]
-    todo = list(range(len(points)))
-    if conf.run.resume and not conf.run.force:
-        done = records.ok_records_by_hash(index_path)
-        for i in list(todo):
-            if hashes[i] in done:
-                todo.remove(i)
-                store.add({**done[hashes[i]], "resumed_from": done[hashes[i]]["run_id"]}, to_index=False)
-        if len(todo) < len(points):
-            print(f"resume: {len(points) - len(todo)} of {len(points)} configurations already have an ok "
-                  f"record (run.force=true re-runs them)", file=sys.stderr)
 
     try:
         process_env = dict(load_adapter_class(conf.system.adapter).process_env)
@@ -110,7 +114,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         else:
             os.environ.update(process_env)
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
-              isolation=isolation.value, process_env=process_env, system_config=conf.system)
+              isolation=isolation.value, process_env=process_env, system_config=conf.system,
+              detected=identity.detected(requested, resolved))
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
     try:
@@ -128,6 +133,15 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     progress.close()
     _write_table(store.records, run_dir)
     return store.records
+
+
+def _add_resumed(store: records.RunRecords, done: dict[str, dict[str, Any]], hashes: list[str], n: int) -> None:
+    resumed = [h for h in hashes if h in done]
+    for h in resumed:
+        store.add({**done[h], "resumed_from": done[h]["run_id"]}, to_index=False)
+    if resumed:
+        print(f"resume: {len(resumed)} of {n} configurations already have an ok record "
+              f"(run.force=true re-runs them)", file=sys.stderr)
 
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):

@@ -5,7 +5,7 @@ Schema (version 1; keys are stable, new keys may be added in a minor revision):
     schema_version, run_id, time, status, reason,
     system, workload, environment, model, mode, point{input_len, output_len, beam_width},
     config_hash, config (resolved), code{version, commit, dirty}, host{...}, versions{...},
-    environment_info{described, budget_emulated, simulated},
+    environment_info{described, budget_emulated, simulated, detected{key: value}},
     method{timer, sync, warmup, repetitions, token_accounting, isolation},
     metrics{ttft_s, prefill_tok_s, decode_tok_s, e2e_tok_s, tokens, valid, *_sd, best{...}},
     raw{ttft_s[], decode_s[], tokens[]}, stats{...}, system_info{...}, seeds{...}
@@ -79,7 +79,8 @@ def library_versions() -> dict[str, str | None]:
 
 
 def config_hash(config: dict[str, Any], point: dict[str, Any]) -> str:
-    """Identity of a measurement: what ran (config minus run control), where, and with which code."""
+    """Identity of a measurement: what was asked for (`identity.requested_config` minus run control),
+    the point, and the code. Values measured at start are not in it (they are in the record)."""
     measured = {k: v for k, v in config.items() if k not in ("run", "cache_dir")}
     # the workload's lists only say which points exist; the point itself is hashed below, so a
     # sweep that gains a point keeps the hashes of the points it already had (resume)

@@ -31,6 +31,7 @@ class Job:
     isolation: str
     process_env: dict[str, str] = field(default_factory=dict)  # set before the system's process imports torch
     system_config: SystemConfig | None = None  # the typed system options handed to the adapter
+    detected: dict[str, Any] = field(default_factory=dict)  # environment keys measured at this start
 
     @property
     def system(self) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
         "host": host_facts(),
         "versions": records.library_versions(),
         "environment_info": {"described": bool(env.get("described")), "budget_emulated": budget_emulated,
-                             "simulated": cfg["mode"] == "simulate"},
+                             "simulated": cfg["mode"] == "simulate", "detected": job.detected},
         "method": {"timer": "time.perf_counter", "sync": "adapter.synchronize() before each reading",
                    "warmup": cfg["workload"]["warmup"], "repetitions": cfg["workload"]["repetitions"],
                    "isolation": job.isolation, "process_env": job.process_env},

@@ -16,6 +16,10 @@ from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
 class FakeSystem(SystemAdapter):
     def load(self) -> None:
         self.calls = 0
+        log = os.environ.get("FIDDLER_FAKE_LOAD_LOG")  # tests count loads, also in child processes
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
 
     def generate(self, request: GenerationRequest, on_first_token) -> GenerationResult:
         self.calls += 1

@@ -1,0 +1,58 @@
+"""Resume keys on what the user asked for, not on what was measured at start; a job with nothing
+left to do detects nothing and loads no model."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fiddler import hardware
+from runners import detect, records
+from tests.test_harness import _job
+
+
+@pytest.fixture
+def varying_probe(monkeypatch):
+    """Every start measures a different bandwidth and core count, like a busy host (7.1-15.3 GB/s seen)."""
+    bandwidths = itertools.cycle([7.1, 15.3])
+    cores = itertools.cycle([1, hardware.cpu_cores()])
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return next(bandwidths)
+
+    monkeypatch.setitem(detect._FACTS, "cpu.mem_bandwidth_gbps", probe)
+    monkeypatch.setitem(detect._FACTS, "cpu.cores", lambda: next(cores))
+    return calls
+
+
+def test_resume_skips_when_the_measured_environment_differs(tmp_path, varying_probe):
+    """Bug 1: the measured bandwidth was part of the config hash, so resume never skipped under the
+    default environment=local."""
+    first = _job(tmp_path, "workload.input_lens=[8,9]", "run.isolation=inline", name="a")
+    second = _job(tmp_path, "workload.input_lens=[8,9]", "run.isolation=inline", name="b")
+    assert [r.get("resumed_from") for r in second] == [first[0]["run_id"], first[1]["run_id"]]
+    assert len(records.read_records(tmp_path / "index.jsonl")) == 2
+    # the measured facts are in the record, not in the hash
+    assert first[0]["environment_info"]["detected"]["environment.cpu.mem_bandwidth_gbps"] == 7.1
+    assert first[0]["config"]["environment"]["cpu"]["mem_bandwidth_gbps"] == 7.1
+    assert first[0]["environment_info"]["detected"]["environment.cpu.cores"] == 1
+    # an explicit value is what the user asked for: part of the hash
+    pinned = _job(tmp_path, "workload.input_lens=[8]", "run.isolation=inline",
+                  "environment.cpu.mem_bandwidth_gbps=14", name="c")
+    assert pinned[0].get("resumed_from") is None and "environment.cpu.mem_bandwidth_gbps" not in \
+        pinned[0]["environment_info"]["detected"]
+
+
+@pytest.mark.parametrize("isolation", ["inline", "auto"])
+def test_a_job_with_nothing_left_loads_no_model(tmp_path, monkeypatch, varying_probe, isolation):
+    """A resumed job that skips everything neither probes the host nor loads the system."""
+    loads = tmp_path / "loads.txt"
+    monkeypatch.setenv("FIDDLER_FAKE_LOAD_LOG", str(loads))
+    _job(tmp_path, "workload.input_lens=[8,9]", f"run.isolation={isolation}", name="a")
+    assert len(loads.read_text().split()) == 1 and len(varying_probe) == 1
+    second = _job(tmp_path, "workload.input_lens=[8,9]", f"run.isolation={isolation}", name="b")
+    assert [r["status"] for r in second] == ["ok", "ok"] and all(r["resumed_from"] for r in second)
+    assert len(loads.read_text().split()) == 1 and len(varying_probe) == 1
+    assert "| hf_transformers" in (tmp_path / "b" / "table.md").read_text()

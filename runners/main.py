@@ -62,12 +62,21 @@ def resolve_model_path(conf: Config) -> str:
                                       Path(conf.cache_dir).expanduser() / "models", dtype=model.dtype.value))
 
 
+def _limits(conf: Config) -> list[str]:
+    """The run.* limits this job sets; each needs a child process to be enforced."""
+    return [f"run.{k}={getattr(conf.run, k):g}" for k in ("timeout_s", "load_timeout_s", "memory_limit_gb")
+            if getattr(conf.run, k) is not None]
+
+
 def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     """Validate (types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
     conf = validate(cfg)
     if conf.mode is Mode.simulate:
         raise ConfigError("mode=simulate is not available yet (the simulator lands with its own issue); "
                           "use mode=execute")
+    if conf.run.isolation is Isolation.inline and _limits(conf):
+        raise ConfigError(f"run.isolation=inline cannot enforce {', '.join(_limits(conf))}: limits need a child "
+                          f"process; allowed: run.isolation=auto or process, or no limit")
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return conf, resolved
 
@@ -103,9 +112,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         process_env = {}
     isolation = conf.run.isolation
     if isolation is Isolation.auto:
-        # a fresh process when there is more than one configuration, or when the system needs its
-        # environment set before torch loads (this process may have loaded it already)
-        isolation = Isolation.process if len(todo) > 1 or process_env else Isolation.inline
+        # a fresh process when there is more than one configuration, when a limit must be enforced,
+        # or when the system needs its environment set before torch loads (this process may have
+        # loaded it already)
+        isolation = Isolation.process if len(todo) > 1 or _limits(conf) or process_env else Isolation.inline
     if isolation is Isolation.inline and process_env:
         if "torch" in sys.modules:
             print(f"warning: run.isolation=inline: {process_env} cannot take effect (torch is already loaded)",
@@ -115,6 +125,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
             os.environ.update(process_env)
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
               isolation=isolation.value, process_env=process_env, system_config=conf.system,
+              memory_limit_gb=conf.run.memory_limit_gb,
               detected=identity.detected(requested, resolved))
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
@@ -155,7 +166,7 @@ def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
             elif kind == "progress":
                 progress.note(payload)
         for record in run_isolated(job, todo, timeout_s=conf.run.timeout_s,
-                                   memory_limit_gb=conf.run.memory_limit_gb, on_event=on_event):
+                                   load_timeout_s=conf.run.load_timeout_s, on_event=on_event):
             current[0] = None
             yield record
         return

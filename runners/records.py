@@ -8,7 +8,8 @@ Schema (version 1; keys are stable, new keys may be added in a minor revision):
     environment_info{described, budget_emulated, simulated, detected{key: value}},
     method{timer, sync, warmup, repetitions, token_accounting, isolation},
     metrics{ttft_s, prefill_tok_s, decode_tok_s, e2e_tok_s, tokens, valid, *_sd, best{...}},
-    raw{ttft_s[], decode_s[], tokens[]}, stats{...}, system_info{...}, seeds{...}
+    raw{ttft_s[], decode_s[], tokens[]}, stats{...}, system_info{...}, seeds{...},
+    timing{load_s, measure_s}
 
 Writes are crash-safe: a run directory's files are replaced atomically (temporary file + rename)
 and index appends are whole lines, flushed and fsync'ed under a file lock, so concurrent launcher

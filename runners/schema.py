@@ -154,7 +154,7 @@ class Mode(Enum):
 
 
 class Isolation(Enum):
-    auto = "auto"  # a fresh process per configuration when there is more than one
+    auto = "auto"  # a child process when there is more than one configuration or a limit is set
     process = "process"
     inline = "inline"
 
@@ -162,16 +162,20 @@ class Isolation(Enum):
 @dataclass
 class RunConfig:
     isolation: Isolation = Isolation.auto
-    timeout_s: Optional[float] = None  # per configuration; a hang becomes status `timeout`
-    memory_limit_gb: Optional[float] = None  # RLIMIT_AS of the child process (isolation=process)
+    # limits, enforced by running the job in a child process (inline refuses them)
+    timeout_s: Optional[float] = None  # per configuration, the system load not counted; a hang -> `timeout`
+    load_timeout_s: Optional[float] = None  # for loading the system in each child process
+    memory_limit_gb: Optional[float] = None  # RLIMIT_AS of the child process
     force: bool = False  # re-run configurations that already have an `ok` record
     resume: bool = True
     index_path: Optional[str] = None  # project-wide JSONL index; None = <project>/results/index.jsonl
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.timeout_s is not None:
-            _check(lambda: self.timeout_s > 0, "run.timeout_s", self.timeout_s, "null or a number > 0")
+        for key in ("timeout_s", "load_timeout_s"):
+            v = getattr(self, key)
+            if v is not None:
+                _check(lambda: v > 0, f"run.{key}", v, "null or a number > 0")
         if self.memory_limit_gb is not None:
             _check(lambda: self.memory_limit_gb > 0, "run.memory_limit_gb", self.memory_limit_gb, "null or a number > 0")
 

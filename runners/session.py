@@ -5,8 +5,10 @@ Used directly for `run.isolation=inline` and inside the child process for `run.i
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ class Job:
     isolation: str
     process_env: dict[str, str] = field(default_factory=dict)  # set before the system's process imports torch
     system_config: SystemConfig | None = None  # the typed system options handed to the adapter
+    memory_limit_gb: float | None = None  # RLIMIT_AS of the measuring child process (named in `oom` reasons)
     detected: dict[str, Any] = field(default_factory=dict)  # environment keys measured at this start
 
     @property
@@ -61,13 +64,23 @@ def make_adapter(job: Job) -> SystemAdapter:
     return load_adapter_class(job.system["adapter"])(job.system_config, model, ctx)
 
 
-def classify_failure(exc: BaseException) -> str:
-    """`oom` for allocation failures (incl. the OS memory limit), `error` otherwise."""
+# how allocation failures read when they surface as other exceptions: CUDA/torch, errno ENOMEM, a
+# shared library that cannot be mapped under RLIMIT_AS (ImportError), C++ new
+OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to map segment",
+             "bad_alloc")
+
+
+def memory_limit_text(memory_limit_gb: float | None) -> str:
+    return f"run.memory_limit_gb={memory_limit_gb:g}" if memory_limit_gb else "no run.memory_limit_gb set"
+
+
+def classify_failure(exc: BaseException, memory_limit_gb: float | None = None) -> tuple[str, str]:
+    """(status, reason): `oom` naming the memory limit for allocation failures, `error` otherwise."""
     text = f"{type(exc).__name__}: {exc}".lower()
-    if isinstance(exc, MemoryError) or "out of memory" in text or "can't allocate memory" in text \
-            or "cannot allocate memory" in text:
-        return "oom"
-    return "error"
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM) \
+            or any(t in text for t in OOM_TEXT):
+        return "oom", f"out of memory ({memory_limit_text(memory_limit_gb)}): {one_line(exc)}"
+    return "error", one_line(exc)
 
 
 def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[str, Any]:
@@ -119,20 +132,32 @@ class Session:
         self.unavailable: str | None = None
         self.failed: tuple[str, str] | None = None  # (status, reason) when loading failed
         self.on_progress = on_progress or (lambda msg: None)
+        self.load_s: float | None = None
         model_config = json.loads((Path(job.model_path) / "config.json").read_text())
         self._vocab = model_config["vocab_size"]
         self._context = model_config.get("max_position_embeddings")
 
     def load(self) -> None:
+        start = time.perf_counter()
         try:
             self.adapter = make_adapter(self.job)
             self.adapter.load()
         except SystemUnavailable as exc:
             self.unavailable = str(exc)
         except Exception as exc:  # every configuration of the job then records the load failure
-            self.failed = (classify_failure(exc), f"loading {self.job.system['name']} failed: {one_line(exc)}")
+            status, reason = classify_failure(exc, self.job.memory_limit_gb)
+            self.failed = (status, f"loading {self.job.system['name']} failed: {reason}")
+        finally:
+            self.load_s = time.perf_counter() - start
 
     def measure(self, index: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        rec = self._measure(index)
+        # the load is timed apart from the configuration (a record never counts one in the other)
+        rec["timing"] = timing(self.load_s, time.perf_counter() - start if rec["status"] != "skipped" else None)
+        return rec
+
+    def _measure(self, index: int) -> dict[str, Any]:
         job = self.job
         if self.unavailable is not None:
             return base_record(job, index, "skipped", self.unavailable)
@@ -160,8 +185,8 @@ class Session:
             rec.update(status="skipped", reason=str(exc))
             return rec
         except Exception as exc:  # any failure after the configuration started is an error record
-            rec.update(status=classify_failure(exc), reason=one_line(exc),
-                       traceback=traceback.format_exc(limit=8))
+            status, reason = classify_failure(exc, job.memory_limit_gb)
+            rec.update(status=status, reason=reason, traceback=traceback.format_exc(limit=8))
             return rec
         rec["method"]["token_accounting"] = getattr(self.adapter, "token_accounting", "returned_sequence")
         rec["metrics"] = measure.metrics_of(samples, point.input_len, point.output_len, int(wl["repetitions"]))
@@ -183,6 +208,12 @@ class Session:
     def close(self) -> None:
         if self.adapter is not None:
             self.adapter.close()
+
+
+def timing(load_s: float | None, measure_s: float | None) -> dict[str, float | None]:
+    """Seconds the system took to load in the measuring process, and the configuration took after it."""
+    return {"load_s": None if load_s is None else round(load_s, 3),
+            "measure_s": None if measure_s is None else round(measure_s, 3)}
 
 
 class _Workload:

@@ -3,6 +3,7 @@ configurations which crash, hang, exhaust memory or run slowly -- without loadin
 
 input_len 11: raises; 12: hangs; 13: allocates until the OS memory limit stops it;
 14: kills its own process with SIGSEGV; 15-19: sleeps 1 s per generate; else: returns at once.
+Environment: FIDDLER_FAKE_LOAD_LOG=file gets a line per load; FIDDLER_FAKE_LOAD_S=seconds slows the load.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class FakeSystem(SystemAdapter):
         if log:
             with open(log, "a") as f:
                 f.write(f"{os.getpid()}\n")
+        time.sleep(float(os.environ.get("FIDDLER_FAKE_LOAD_S", 0)))  # a slow load
 
     def generate(self, request: GenerationRequest, on_first_token) -> GenerationResult:
         self.calls += 1

@@ -1,5 +1,6 @@
-"""Cheap start-up check of a checkpoint's safetensors files (headers and sizes only), so that a
-truncated or corrupted download fails before any system loads it, with the file named."""
+"""Cheap start-up checks of a checkpoint: config.json (parsed, required keys) and the safetensors
+files (headers and sizes only), so that a damaged or truncated download fails before any system
+loads it, with the file (and key) named."""
 from __future__ import annotations
 
 import json
@@ -34,3 +35,30 @@ def verify_checkpoint(directory: Path) -> None:
         raise ConfigError(f"{directory}: no *.safetensors files (only safetensors checkpoints are supported)")
     for f in files:
         verify_safetensors(f)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def verify_config_json(directory: Path) -> None:
+    """config.json parses, and has the keys the engine's parser requires (MoEConfig.from_dict, which
+    also names the supported architectures) and those the harness reads."""
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # ValueError: JSON and UTF-8 errors
+        raise ConfigError(f"{path}: not a valid JSON file ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    from fiddler.config import MoEConfig
+
+    try:
+        MoEConfig.from_dict(cfg)
+    except KeyError as exc:
+        raise ConfigError(f"{path}: required key {exc.args[0]!r} is missing") from exc
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    for key, required in (("vocab_size", True), ("max_position_embeddings", False)):
+        if (required or key in cfg) and not _positive_int(cfg.get(key)):
+            raise ConfigError(f"{path}: {key}={cfg.get(key)!r} is invalid; allowed: an integer >= 1")

@@ -15,7 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.base import SystemUnavailable
-from runners import identity, records, tables
+from runners import identity, preflight, records, tables
+from runners.checkpoint import verify_checkpoint, verify_config_json
 from runners.schema import Config, ConfigError, Isolation, Mode, validate
 from runners.session import Job, Session, base_record, load_adapter_class
 from runners.workloads import expand
@@ -49,8 +50,7 @@ def resolve_model_path(conf: Config) -> str:
         if not (path / "config.json").is_file():
             what = "does not exist" if not path.exists() else "has no config.json (not a Hugging Face checkpoint)"
             raise ConfigError(f"model.path={model.path!r} {what}")
-        from runners.checkpoint import verify_checkpoint
-
+        verify_config_json(path)
         verify_checkpoint(path)
         return str(path)
     if not model.synthetic:
@@ -58,8 +58,10 @@ def resolve_model_path(conf: Config) -> str:
                           f"(or mode=simulate, which needs no weights)")
     from runners.synthetic import ensure_synthetic_model
 
-    return str(ensure_synthetic_model(model.name, dict(model.arch), model.seed,
-                                      Path(conf.cache_dir).expanduser() / "models", dtype=model.dtype.value))
+    path = ensure_synthetic_model(model.name, dict(model.arch), model.seed,
+                                  Path(conf.cache_dir).expanduser() / "models", dtype=model.dtype.value)
+    verify_config_json(path)  # a cached copy can be damaged too
+    return str(path)
 
 
 def _limits(conf: Config) -> list[str]:
@@ -70,6 +72,7 @@ def _limits(conf: Config) -> list[str]:
 
 def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     """Validate (types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
+    preflight.check_known_keys(cfg)
     conf = validate(cfg)
     if conf.mode is Mode.simulate:
         raise ConfigError("mode=simulate is not available yet (the simulator lands with its own issue); "
@@ -88,6 +91,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     run_dir = Path(run_dir)
     index_path = Path(requested["run"]["index_path"]).expanduser() if requested["run"]["index_path"] \
         else records.default_index_path()
+    preflight.check_index_path(index_path)
     points = [p.as_dict() for p in expand(SimpleNamespace(**requested["workload"]))]
     hashes = [records.config_hash(requested, p) for p in points]
     resume = requested["run"]["resume"] and not requested["run"]["force"]
@@ -102,6 +106,8 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         return store.records
 
     conf, resolved = prepare(cfg)
+    preflight.check_threads(conf)
+    preflight.check_prompt_file(conf.workload.prompt_file)
     model_path = resolve_model_path(conf)
     _add_resumed(store, done, hashes, len(points))
     run_id = uuid.uuid4().hex[:12]

@@ -45,15 +45,14 @@ def synthetic_prompt(seed: int, input_len: int, vocab_size: int) -> list[int]:
 
 
 def file_prompt(path: str, input_len: int, model_path: str) -> list[int]:
-    """The text file's token ids (by the model's own tokenizer), repeated to `input_len`."""
-    text_path = Path(path)
-    if not text_path.is_file():
-        raise FileNotFoundError(f"workload.prompt_file does not exist: {path}")
+    """The text file's token ids (by the model's own tokenizer), repeated to `input_len`.
+    (runners.preflight has checked at start that the file is non-empty text.)"""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model_path).encode(text_path.read_text())
-    if not ids:
-        raise ValueError(f"workload.prompt_file {path} has no tokens")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ids = tokenizer.encode(Path(path).expanduser().read_text(encoding="utf-8"))
+    if not set(ids) - set(tokenizer.all_special_ids):  # e.g. only the BOS the tokenizer adds
+        raise ValueError(f"workload.prompt_file={path!r} has no tokens besides special ones")
     return (ids * (input_len // len(ids) + 1))[:input_len]
 
 

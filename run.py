@@ -1,36 +1,66 @@
-"""Benchmark entry point: `python run.py system=fiddler workload=beam` (see README)."""
+"""Benchmark entry point: `python run.py system=fiddler workload=beam` (see README).
+
+Exit status: 0 when every configuration is ok (or skipped); 1 when something failed (a configuration
+not ok, or a sweep job that did not run); 2 for a bad configuration, when nothing ran (refused by
+the harness's checks or by Hydra's own).
+"""
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import runners  # noqa: F401  (registers the structured configs and the ${detect:} resolver)
+from runners import callbacks
 from runners.main import failures, run_job
 from runners.schema import ConfigError
 
-_failed_jobs: list[str] = []
+_state = {"started": False, "failed": False}
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    _state["started"] = True
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    sweep = hc.mode == RunMode.MULTIRUN
+    callbacks.clear_job_error(run_dir)
     try:
         recs = run_job(cfg, run_dir)
-    except (ConfigError, FileNotFoundError) as exc:
+    except ConfigError as exc:
         # a bad configuration: one line naming the problem, before anything ran
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        if not sweep:
+            sys.exit(2)
+        callbacks.mark_job_error(run_dir, str(exc))  # the other jobs still run; the summary counts it
+        return
+    except Exception as exc:
+        if not sweep:
+            raise  # Hydra prints it; exit 1
+        traceback.print_exc()
+        callbacks.mark_job_error(run_dir, f"{type(exc).__name__}: {exc}")
+        return
     bad = failures(recs)
     if bad:
-        _failed_jobs.append(hc.job.override_dirname or "job")
+        _state["failed"] = True
         print(f"{len(bad)} configuration(s) failed; see {run_dir / 'records.jsonl'}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(1 if _failed_jobs else 0)
+    try:
+        main()
+    except SystemExit as exc:
+        # Hydra reports its own configuration errors (an unknown group option or key, a string for
+        # an int, a scalar for a list; in a sweep it composes every job first) and exits 1 before
+        # any job starts: a bad configuration, like the harness's own
+        if exc.code == 1 and not _state["started"]:
+            sys.exit(2)
+        raise
+    if callbacks.sweep_exit_code is not None:
+        sys.exit(callbacks.sweep_exit_code)
+    sys.exit(1 if _state["failed"] else 0)

@@ -145,7 +145,9 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
             store.add(base_record(job, current[0], "interrupted", f"received {exc}"))
         progress.close()
         _write_table(store.records, run_dir)
-        print(f"interrupted by {exc}; finished records are in {store.path}", file=sys.stderr)
+        where = f"finished records are in {store.path}" if store.path.exists() else \
+            "no configuration had finished, nothing was recorded"
+        print(f"interrupted by {exc}; {where}", file=sys.stderr)
         sys.exit(128 + exc.signum)
     progress.close()
     _write_table(store.records, run_dir)

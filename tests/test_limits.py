@@ -42,11 +42,11 @@ def test_inline_refuses_a_limit_it_cannot_enforce(limit):
 
 def test_load_time_is_recorded_apart_and_not_charged_to_a_configuration(tmp_path, monkeypatch):
     """`run.timeout_s` counted the system load against the first configuration."""
-    monkeypatch.setenv("FIDDLER_FAKE_LOAD_S", "3")
-    recs = _job(tmp_path, "workload.input_lens=[8,9]", "run.timeout_s=2")
+    monkeypatch.setenv("FIDDLER_FAKE_LOAD_S", "12")  # margins for a busy machine
+    recs = _job(tmp_path, "workload.input_lens=[8,9]", "run.timeout_s=10")
     assert [r["status"] for r in recs] == ["ok", "ok"]
     for r in recs:
-        assert r["timing"]["load_s"] >= 3 and r["timing"]["measure_s"] < 2
+        assert r["timing"]["load_s"] >= 12 and r["timing"]["measure_s"] < 10
 
 
 def test_a_load_over_its_limit_fails_every_configuration_once(tmp_path, monkeypatch):

@@ -18,10 +18,11 @@ def test_timeout_is_enforced_for_a_single_configuration(tmp_path):
     assert recs[0]["method"]["isolation"] == "process" and "metrics" not in recs[0]
 
 
-def test_memory_limit_is_enforced_for_a_single_configuration(tmp_path):
-    """Bug 2 (memory_limit_gb ignored inline), and the misleading `error` for a limit hit while
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_memory_limit_is_enforced_for_a_single_configuration(tmp_path, isolation):
+    """Bug 2 (auto: memory_limit_gb ignored inline), and the misleading `error` for a limit hit while
     loading under process isolation (ImportError: libtorch_cpu.so: failed to map segment)."""
-    recs = _job(tmp_path, "workload.input_lens=[8]", "run.memory_limit_gb=0.5")
+    recs = _job(tmp_path, "workload.input_lens=[8]", "run.memory_limit_gb=0.5", f"run.isolation={isolation}")
     assert [r["status"] for r in recs] == ["oom"]
     # where it runs out (a library, torch, the loader starting a thread) depends on what loads first
     assert "out of memory (run.memory_limit_gb=0.5)" in recs[0]["reason"]

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from runners.session import OOM_TEXT, Job, Session, base_record, classify_failure, memory_limit_text, timing
+from runners.session import (OOM_TEXT, Job, Session, base_record, classify_failure, load_failed, memory_limit_text,
+                             timing)
 
 _CTX = mp.get_context("spawn")  # a fresh interpreter: no state (threads, CUDA, allocator) inherited
 
@@ -35,6 +36,9 @@ def _child_main(job: Job, todo: list[int], conn, stderr) -> None:
     try:
         session = Session(job, on_progress=lambda msg: conn.send(("progress", msg)))
         session.load()
+        if session.failed:  # the parent records it for every point: nothing more to do in a failed child
+            conn.send(("fatal", session.failed))
+            return
         conn.send(("loaded", session.load_s))
         for index in todo:
             conn.send(("start", index))
@@ -153,7 +157,7 @@ def run_isolated(job: Job, todo: list[int], *, timeout_s: float | None, load_tim
                     else:
                         status, reason = "timeout", f"system load exceeded run.load_timeout_s={load_timeout_s:g}"
                     if current is None and load_s is None:
-                        reason = f"loading {job.system['name']} failed: {reason}"
+                        reason = load_failed(job, reason)
                     elapsed = time.monotonic() - started
                     # a failed load fails every point; between points it is charged to the next one
                     failed = [current] if current is not None else list(remaining) if load_s is None \

@@ -27,7 +27,7 @@ def check_known_keys(node: DictConfig, prefix: str = "") -> None:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"did you mean {prefix}{close[0]}? " if close else ""
-            raise ConfigError(f"{name} is not a known key; {hint}allowed under {prefix or 'the top level'}: "
+            raise ConfigError(f"{name} is not a known key; {hint}allowed under {prefix[:-1] or 'the top level'}: "
                               f"{', '.join(fields)}")
         if isinstance(value, DictConfig):
             check_known_keys(value, f"{name}.")

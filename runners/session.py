@@ -145,8 +145,7 @@ class Session:
         except SystemUnavailable as exc:
             self.unavailable = str(exc)
         except Exception as exc:  # every configuration of the job then records the load failure
-            status, reason = classify_failure(exc, self.job.memory_limit_gb)
-            self.failed = (status, f"loading {self.job.system['name']} failed: {reason}")
+            self.failed = classify_failure(exc, self.job.memory_limit_gb)
         finally:
             self.load_s = time.perf_counter() - start
 
@@ -162,7 +161,8 @@ class Session:
         if self.unavailable is not None:
             return base_record(job, index, "skipped", self.unavailable)
         if self.failed is not None:
-            return base_record(job, index, *self.failed)
+            status, reason = self.failed
+            return base_record(job, index, status, load_failed(job, reason))
         assert self.adapter is not None
         wl = job.config["workload"]
         point = Point(**job.points[index])
@@ -208,6 +208,10 @@ class Session:
     def close(self) -> None:
         if self.adapter is not None:
             self.adapter.close()
+
+
+def load_failed(job: Job, reason: str) -> str:
+    return f"loading {job.system['name']} failed: {reason}"
 
 
 def timing(load_s: float | None, measure_s: float | None) -> dict[str, float | None]:

@@ -4,7 +4,7 @@ that sets a limit).
 The child loads the system once and measures points in order, telling the parent over a pipe when
 the load is done, when each point starts and each finished record. The parent alone writes records
 and enforces the limits: `run.memory_limit_gb` is the child's RLIMIT_AS, `run.load_timeout_s` bounds
-the load and `run.timeout_s` each configuration, timed apart. When the child dies (crash, OS memory
+the load (from when the child is ready) and `run.timeout_s` each configuration, timed apart. When the child dies (crash, OS memory
 limit, kill) or a point exceeds its time, the parent writes an `error` / `oom` / `timeout` record for
 the point that was running and starts a new child for the rest, so one bad configuration never loses
 the others. A failure while loading is the same for every point, so it is recorded for all of them
@@ -34,6 +34,7 @@ def _child_main(job: Job, todo: list[int], conn, stderr) -> None:
         limit = int(job.memory_limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
+        conn.send(("loading", None))  # the load's time limit starts here, not at the interpreter's start
         session = Session(job, on_progress=lambda msg: conn.send(("progress", msg)))
         session.load()
         if session.failed:  # the parent records it for every point: nothing more to do in a failed child
@@ -133,7 +134,9 @@ def run_isolated(job: Job, todo: list[int], *, timeout_s: float | None, load_tim
             while remaining:
                 limit = timeout_s if current is not None else load_timeout_s if load_s is None else None
                 kind, payload = _next_message(proc, conn, None if limit is None else started + limit)
-                if kind == "loaded":
+                if kind == "loading":
+                    started = time.monotonic()
+                elif kind == "loaded":
                     load_s, started = payload, time.monotonic()
                 elif kind == "start":
                     current, started = payload, time.monotonic()

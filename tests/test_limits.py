@@ -54,7 +54,7 @@ def test_a_load_over_its_limit_fails_every_configuration_once(tmp_path, monkeypa
     loads = tmp_path / "loads.txt"
     monkeypatch.setenv("FIDDLER_FAKE_LOAD_LOG", str(loads))
     monkeypatch.setenv("FIDDLER_FAKE_LOAD_S", "60")
-    recs = _job(tmp_path, "workload.input_lens=[8,9,10]", "run.load_timeout_s=1", "run.timeout_s=60")
+    recs = _job(tmp_path, "workload.input_lens=[8,9,10]", "run.load_timeout_s=8", "run.timeout_s=60")
     assert [r["status"] for r in recs] == ["timeout"] * 3
-    assert {r["reason"] for r in recs} == {"loading hf_transformers failed: system load exceeded run.load_timeout_s=1"}
+    assert {r["reason"] for r in recs} == {"loading hf_transformers failed: system load exceeded run.load_timeout_s=8"}
     assert len(loads.read_text().split()) == 1  # one child tried to load, not one per configuration

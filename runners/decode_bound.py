@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from fiddler.config import MoEConfig
 from runners import detect
 
 
@@ -37,6 +34,10 @@ def decode_bound(model_path: str, dtype: str, input_len: int, output_len: int, b
     (`decode_tok_s`: e.g. mean and best); None without decode steps or without a limit."""
     if output_len < 2 or not limit:
         return None
+    import torch  # here, not at import: a resumed run with nothing to do never loads torch
+
+    from fiddler.config import MoEConfig
+
     cfg = MoEConfig.from_pretrained(model_path)
     t = getattr(torch, dtype)
     steps = range(input_len + 1, input_len + output_len)

@@ -213,10 +213,10 @@ class Engine:
                 eos_token_id=eos_token_id,
                 on_first_token=on_first_token,
             )
-        self._add_stats(out, prompt.shape[0], beam_width)
+        self._add_stats(out, prompt.shape[0])
         return out
 
-    def _add_stats(self, out: GenerationOutput, S: int, B: int):
+    def _add_stats(self, out: GenerationOutput, S: int):
         st = out.stats
         lat = st["decode_latencies_s"]
         st["prefill_tok_s"] = S / st["ttft_s"]

@@ -30,8 +30,9 @@ struct Default {
 // Measured with a packed Mixtral-8x7B expert (352 MB bf16) at 1 token, 2 threads, cycling through
 // more weight copies than any cache holds (scripts/bench_stream.py):
 // - Intel Xeon (Sapphire Rapids, 2-core VM; results/measured/2026-12-01-intel-xeon-stream): of the
-//   read limit, T0 at 0.5-2 KiB reached 0.90-0.93, T1 at 2 KiB 0.92, both at 4 KiB 0.72-0.83, no
-//   prefetch 0.78-0.81, NTA 0.50; at 4 tokens T0 at 2 KiB was the best (0.81).
+//   read limit, T0 at 1 KiB plus a T1 (L2) prefetch 4 KiB ahead reached 0.93-0.95, T0 alone at
+//   0.5-2 KiB 0.87-0.91, T0 at 4 KiB 0.70, no prefetch 0.67-0.78, NTA 0.35-0.50 (bench_stream*.txt);
+//   at 4 tokens T0 2 KiB alone was slightly ahead (0.80 vs 0.77), but decode streams 1 token a step.
 //   An Emerald Rapids VM: T0 30 GB/s, none 19, NTA 11-12 (issue 10).
 // - AMD Zen 5 (EPYC, 2-core VM): NTA at 4 KiB was 2-3% faster than T0 at 8 KiB (decode A/B runs,
 //   commit 882f944).

@@ -88,6 +88,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     """Measure the job's configurations; returns this job's records (also written to disk)."""
     # resume is decided on the config as asked (identity.py), before anything is detected or loaded
     requested = identity.requested_config(cfg)
+    preflight.check_execute_environment(requested)  # before resume: a foreign environment never "resumes"
     run_dir = Path(run_dir)
     index_path = Path(requested["run"]["index_path"]).expanduser() if requested["run"]["index_path"] \
         else records.default_index_path()

@@ -134,3 +134,33 @@ def test_run_py_refuses_a_foreign_environment_with_exit_2(tmp_path, env):
     assert lines[0].startswith(f"error: environment={env} describes a ") and len(lines) == 1
     assert "mode=simulate" in lines[0] and "environment=local environment.gpu.memory_gb=" in lines[0]
     assert not (tmp_path / "i.jsonl").exists() and not (tmp_path / "run" / "records.jsonl").exists()
+
+
+def _rec(system, mode, described=False, emulated=False, tok=1.0):
+    return {"system": system, "model": "m", "workload": "w", "environment": "e", "mode": mode, "status": "ok",
+            "time": "t", "point": {"input_len": 8, "output_len": 4, "beam_width": 1},
+            "host": {"cpu_name": "Test CPU"},
+            "metrics": {"e2e_tok_s": tok, "ttft_s": 0.1, "prefill_tok_s": 80.0},
+            "environment_info": {"described": described, "budget_emulated": emulated}}
+
+
+def test_tables_say_what_produced_the_numbers_in_the_header_and_on_every_row(tmp_path):
+    import json
+
+    from runners import tables
+    from scripts.tables import main as tables_main
+
+    recs = [_rec("a", "execute"), _rec("b", "execute", emulated=True), _rec("c", "simulate")]
+    md = tables.to_markdown(tables.build(recs))
+    head, body = md.split("\n\n", 1)
+    assert head.startswith("Numbers: MEASURED: measured on this host (Test CPU) (1 rows); EMULATED:")
+    assert "SIMULATED: simulated from the environment's hardware spec" in head
+    rows = [line for line in body.splitlines()[2:]]
+    assert [r.split("|")[1].strip() for r in rows] == ["a", "b", "c"]
+    assert ["measured" in rows[0], "emulated" in rows[1], "simulated" in rows[2]] == [True] * 3
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tables_main([str(path), "--out", str(tmp_path / "o")])
+    assert (tmp_path / "o" / "table.md").read_text().startswith("Numbers: MEASURED")
+    assert list(__import__("pandas").read_csv(tmp_path / "o" / "table.csv")["provenance"]) == \
+        ["measured", "emulated", "simulated"]

@@ -107,3 +107,10 @@ def test_hf_transformers_is_skipped_with_the_reason(tmp_path):
 def test_fastgen_that_does_not_fit_is_skipped(tmp_path):
     (rec,) = _run(tmp_path, "system=deepspeed_mii", "system.engine=mii", "environment=rtx4090")
     assert rec["status"] == "skipped" and "whole model in GPU memory" in rec["reason"]
+
+
+def test_the_systems_own_thread_count_is_simulated(tmp_path):
+    a = _run(tmp_path, "system=fiddler", "environment=rtx3060", name="a")[0]
+    b = _run(tmp_path, "system=fiddler", "environment=rtx3060", "system.cpu_threads=1", name="b")[0]
+    assert a["simulation"]["spec"]["threads"] == 6 and b["simulation"]["spec"]["threads"] == 1
+    assert b["metrics"]["ttft_s"] > a["metrics"]["ttft_s"]

@@ -74,9 +74,6 @@ def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     """Validate (types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
     preflight.check_known_keys(cfg)
     conf = validate(cfg)
-    if conf.mode is Mode.simulate:
-        raise ConfigError("mode=simulate is not available yet (the simulator lands with its own issue); "
-                          "use mode=execute")
     if conf.run.isolation is Isolation.inline and _limits(conf):
         raise ConfigError(f"run.isolation=inline cannot enforce {', '.join(_limits(conf))}: limits need a child "
                           f"process; allowed: run.isolation=auto or process, or no limit")
@@ -107,17 +104,19 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         return store.records
 
     conf, resolved = prepare(cfg)
-    preflight.check_threads(conf)
-    preflight.check_prompt_file(conf.workload.prompt_file)
-    model_path = resolve_model_path(conf)
+    simulating = conf.mode is Mode.simulate  # no weights, no child process, the host's cores irrelevant
+    if not simulating:
+        preflight.check_threads(conf)
+        preflight.check_prompt_file(conf.workload.prompt_file)
+    model_path = "" if simulating else resolve_model_path(conf)
     _add_resumed(store, done, hashes, len(points))
     run_id = uuid.uuid4().hex[:12]
 
     try:
-        process_env = dict(load_adapter_class(conf.system.adapter).process_env)
+        process_env = {} if simulating else dict(load_adapter_class(conf.system.adapter).process_env)
     except SystemUnavailable:  # recorded as `skipped` when the job loads the system
         process_env = {}
-    isolation = conf.run.isolation
+    isolation = Isolation.inline if simulating else conf.run.isolation
     if isolation is Isolation.auto:
         # a fresh process when there is more than one configuration, when a limit must be enforced,
         # or when the system needs its environment set before torch loads (this process may have
@@ -165,6 +164,11 @@ def _add_resumed(store: records.RunRecords, done: dict[str, dict[str, Any]], has
 
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
+    if conf.mode is Mode.simulate:
+        from runners.simulate import measure_all
+
+        yield from measure_all(job, todo, progress, current)
+        return
     if job.isolation == "process":
         from runners.isolation import run_isolated
 

@@ -75,6 +75,7 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
         p = r.get("point") or {}
         m = r.get("metrics") or {}
         stats = r.get("stats") or {}
+        stats = {**stats, **(stats.get("executor") or {})}  # simulated records nest the executor's counters
         rows.append({
             "workload": r.get("workload"), "environment": r.get("environment"), "system": system_key(r),
             "input": p.get("input_len"), "output": p.get("output_len"), "beam": p.get("beam_width"),
@@ -125,7 +126,7 @@ def load_reported(path: Path) -> pd.DataFrame:
     df = pd.read_csv(path, dtype=str, keep_default_na=False)
     df["value"] = df["value"].astype(float)
     for k in ("input_len", "output_len", "beam_width"):
-        df[k] = [int(v) if v else None for v in df[k]]
+        df[k] = pd.Series([int(v) if v else None for v in df[k]], index=df.index, dtype=object)
     return df
 
 
@@ -135,7 +136,7 @@ def reported_cell(reported: pd.DataFrame, workload: str, environment: str, syste
                    & (reported["system"] == system) & (reported["metric"] == metric)]
     for key, col in (("input", "input_len"), ("output", "output_len"), ("beam", "beam_width")):
         if key in point:
-            hit = hit[[v is None or v == point[key] for v in hit[col]]]
+            hit = hit[pd.Series([v is None or v == point[key] for v in hit[col]], index=hit.index, dtype=bool)]
     return float(hit["value"].iloc[0]) if len(hit) else None
 
 

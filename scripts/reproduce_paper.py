@@ -159,9 +159,11 @@ def generic_ablation(ab: Ablation, recs: list[dict]) -> tuple[str, pd.DataFrame]
                "status": row["status"], "e2e_tok_s": row["e2e_tok_s"], "ttft_s": row["ttft_s"],
                "decode_tok_s": row["decode_tok_s"], "gpu_hit_rate": row["gpu_hit_rate"],
                "provenance": row["provenance"]}
-        if ab.name == "budget":
-            card = 24.0
-            row["beyond_card"] = float(value) > card
+        if ab.name == "budget":  # the simulator states how the budget relates to the card's memory
+            budget = (r.get("environment_info") or {}).get("gpu_budget") or {}
+            card = budget.get("card_memory_gb")
+            row["budget_vs_card"] = (f"{budget['override']} ({card:g} GB): an override" if budget.get("override")
+                                     else f"the card's {card:g} GB or less" if card else "")
         rows.append(row)
     key = ab.vary.split(".")[-1]
     frame = pd.DataFrame(rows)
@@ -182,7 +184,7 @@ def generic_ablation(ab: Ablation, recs: list[dict]) -> tuple[str, pd.DataFrame]
     for _, r in frame.iterrows():
         vals = [r["environment"], str(r[key])]
         if ab.name == "budget":
-            vals.append("beyond the card's 24 GB (override)" if r["beyond_card"] else "within the card")
+            vals.append(r["budget_vs_card"])
         if r["status"] != "ok":
             vals += [r["status"], "", "", ""]
         else:

@@ -50,3 +50,9 @@ class LlamaCppConfig(SystemConfig):
               ", ".join(KV_CACHE_TYPES))
         check(lambda: not (self.kv_cache_type in ("q8_0", "q4_0") and self.flash_attn is OnOffAuto.off),
               "system.flash_attn", "off", "auto or on with a quantized KV cache (llama.cpp needs flash attention)")
+
+    def sim_policy(self):
+        from .sim import LlamaCppSimPolicy
+
+        return LlamaCppSimPolicy(self.n_gpu_layers, self.n_cpu_moe, self.quant, self.n_batch, self.n_ctx,
+                                 self.kv_cache_type)

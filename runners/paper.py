@@ -309,7 +309,8 @@ def headline(df: pd.DataFrame, reported: pd.DataFrame | None) -> list[dict[str, 
         for scope in ("all four", "paper_env1 + paper_env2"):
             r = by_scope.get(scope)
             if r is not None:
-                rows.append({"workload": wl, "scope": scope, "summary": key.replace("vs_", "over "),
+                rows.append({"workload": wl, "scope": scope,
+                             "summary": "over llama.cpp" if key == "vs_llama_cpp" else "over the best baseline",
                              "simulated": r.get(key), "paper": reported_summary(reported, wl)
                              if reported is not None else None})
     return rows

@@ -90,7 +90,7 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
     files = outs[0][0]
     assert {"single_batch.md", "single_batch.csv", "long_prefill.md", "beam.md", "speedups.md", "speedups.csv",
             "planner.md", "summary.md"} <= set(files)
-    assert "| beam | all four | over llama_cpp | 10.00x | 11.57x |" in files["summary.md"]
+    assert "| beam | all four | over llama.cpp | 10.00x | 11.57x |" in files["summary.md"]
     assert not any(str(tmp_path) in text or "2026" in text for text in files.values())  # no paths or dates
     out = tmp_path / "out"
     out.mkdir()

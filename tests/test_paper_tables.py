@@ -73,7 +73,7 @@ def test_ttft_speedup_is_the_inverse_ratio_and_beam_is_summarised_over_llama_cpp
     beam += [rec("llama_cpp", "rtx4090", "beam", 32, 64, b, tok=1.0) for b in (4, 8)]
     head = paper.headline(paper.frame(beam), REPORTED)
     assert head[0]["workload"] == "beam" and head[0]["simulated"] == pytest.approx(60.0)
-    assert head[0]["paper"] == 11.57 and head[0]["summary"] == "over llama_cpp"
+    assert head[0]["paper"] == 11.57 and head[0]["summary"] == "over llama.cpp"
 
 
 def test_failed_or_missing_cells_are_left_out_of_speedups_and_shown_as_their_status():

@@ -132,7 +132,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
               isolation=isolation.value, process_env=process_env, system_config=conf.system,
               memory_limit_gb=conf.run.memory_limit_gb,
-              detected=identity.detected(requested, resolved))
+              detected=identity.detected(requested, resolved), run_dir=str(run_dir))
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
     try:

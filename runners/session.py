@@ -35,6 +35,7 @@ class Job:
     system_config: SystemConfig | None = None  # the typed system options handed to the adapter
     memory_limit_gb: float | None = None  # RLIMIT_AS of the measuring child process (named in `oom` reasons)
     detected: dict[str, Any] = field(default_factory=dict)  # environment keys measured at this start
+    run_dir: str | None = None  # where the records go (routing traces are written beside them)
 
     @property
     def system(self) -> dict[str, Any]:
@@ -184,6 +185,10 @@ class Session:
         rec["raw"] = measure.raw_of(samples)
         rec["stats"] = samples[-1].stats
         rec["system_info"] = self.adapter.info()
+        trace = getattr(self.adapter, "routing_trace", None)
+        if trace is not None and job.run_dir:
+            path = Path(job.run_dir) / "routing" / f"{job.system['name']}-{point.key()}.json"
+            rec["routing_trace"] = str(trace.save(path))
         if not self.adapter.ctx.has_cuda:  # every weight byte comes from host memory: the decode bound applies
             m = rec["metrics"]
             try:

@@ -57,3 +57,26 @@ def test_reuse_parameter_moves_the_routing(tmp_path):
     b = _run(tmp_path, "system=fiddler", "environment=rtx3060", "sim.reuse=0.9", name="b")[0]
     assert a["simulation"]["routing"]["reuse"] == 0 and b["simulation"]["routing"]["reuse"] == 0.9
     assert a["stats"] != b["stats"]
+
+
+def test_a_routing_trace_recorded_in_execute_mode_drives_a_simulation(tmp_path):
+    from tests.test_harness import cfg_of as compose
+
+    (ex,) = run_job(compose("system=fiddler", "model=tiny_mixtral", "environment=local",
+                            "environment.cpu.mem_bandwidth_gbps=20", "system.record_routing=true",
+                            "workload.input_lens=[16]", "workload.output_lens=[4]", "workload.repetitions=1",
+                            "workload.warmup=0", "run.progress=false", "run.isolation=inline",
+                            f"run.index_path={tmp_path / 'index.jsonl'}"), tmp_path / "ex")
+    assert ex["status"] == "ok", ex.get("reason")
+    path = ex["routing_trace"]
+    assert path.startswith(str(tmp_path / "ex" / "routing"))
+    from fiddler.sim import RoutingTrace
+
+    trace = RoutingTrace.load(path)
+    assert [s.shape[1] for s in trace.steps] == [16, 1, 1, 1]
+    (sim,) = run_job(compose("mode=simulate", "system=fiddler", "model=tiny_mixtral", "environment=rtx3060",
+                             f"sim.trace={path}", "workload.input_lens=[16]", "workload.output_lens=[4]",
+                             "run.progress=false", f"run.index_path={tmp_path / 'index.jsonl'}"), tmp_path / "sim")
+    assert sim["status"] == "ok", sim.get("reason")
+    assert sim["simulation"]["routing"]["kind"] == "trace" and sim["simulation"]["routing"]["trace"] == path
+    assert sim["stats"]["executor"]["routed_tokens"] == (16 + 3) * 4 * 2

@@ -76,7 +76,9 @@ class SimSetup:
         env, sim, model = cfg["environment"], cfg["sim"], cfg["model"]
         self.config = model_config(model["arch"])
         self.dtype = getattr(torch, model["dtype"])
-        spec = hardware_spec(env)
+        # the thread count the system runs with: its own option where it has one, else the environment's
+        threads = cfg["system"].get("cpu_threads") or cfg["system"].get("threads") or env["cpu"]["threads"]
+        spec = hardware_spec(env, cpu_threads=int(threads))
         cpu_class = sim.get("cpu_class") or cpu_class_of(env["cpu"]["name"], env["cpu"]["isa"],
                                                          _host_amx() if env["name"] == "local" else None)
         eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(sim.get("efficiency"))

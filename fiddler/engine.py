@@ -229,7 +229,7 @@ class Engine:
             # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)
             m = self.model
             st["decode_experts_per_layer"] = (m.multi_row_expert_loads / m.multi_row_layer_steps
-                                              if m.multi_row_layer_steps else self.config.top_k)
+                                              if m.multi_row_layer_steps else self.config.active_slots)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids) -> torch.Tensor:

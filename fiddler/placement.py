@@ -35,7 +35,7 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
     """
     s = dtype.itemsize
     T = max_seq_len * max_batch
-    H, F, K = config.hidden_size, config.intermediate_size, config.top_k
+    H, F, K = config.hidden_size, config.intermediate_size, config.active_slots
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     residual = 2 * T * H * s
     attention = T * (2 * nh + 2 * nkv) * d * s + max_batch * max_seq_len * max_seq_len
@@ -122,7 +122,7 @@ def place(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: 
     "mask" (exactly `mask`; must fit when a budget is given). budget_bytes=None means no GPU:
     nothing is resident, whatever the strategy.
     """
-    L, E = config.num_layers, config.num_experts
+    L, E = config.num_moe_layers, config.expert_slots
     eb = int(config.expert_bytes(dtype))
     if budget_bytes is None:
         return Placement([[False] * E for _ in range(L)], "none (no GPU)", eb, None, {}, None)

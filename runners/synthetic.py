@@ -544,8 +544,10 @@ def _tokenizer_files(out_dir: pathlib.Path, tok_model: pathlib.Path, max_len: in
 # ----------------------------------------------------------------------------- config
 
 
-def _config_files(out_dir: pathlib.Path, arch: dict, dtype: str) -> None:
-    from transformers import AutoConfig, GenerationConfig, MixtralConfig
+def config_dict(arch: dict, dtype: str = "bfloat16") -> dict:
+    """The config.json a generated checkpoint of `arch` has (transformers' config class, saved, plus the
+    Hub's flat keys); also what mode=simulate and the byte counts read for architecture-only models."""
+    from transformers import AutoConfig, MixtralConfig
 
     a = resolve_arch(arch)
     mt = model_type_of(a)
@@ -558,14 +560,15 @@ def _config_files(out_dir: pathlib.Path, arch: dict, dtype: str) -> None:
             rope = {**a["rope_scaling"], "rope_theta": a["rope_theta"]}
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "yarn"))
         cfg = AutoConfig.for_model(mt, **kw, rope_parameters=rope, bos_token_id=1, eos_token_id=2, dtype=dtype)
-    cfg.save_pretrained(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:  # exactly what save_pretrained writes
+        cfg.save_pretrained(tmp)
+        data = json.loads((pathlib.Path(tmp) / "config.json").read_text())
     # transformers 5 stores rope_theta under rope_parameters; older readers (and some
     # versions of llama.cpp's converter) look for the flat key, and torch_dtype for the dtype.
-    data = json.loads((out_dir / "config.json").read_text())
     data.setdefault("rope_theta", a["rope_theta"])
     data.setdefault("torch_dtype", dtype)
     # llama.cpp's converter picks its model class from `architectures` (Hub configs have it).
-    data.setdefault("architectures", [_ARCHITECTURES[mt]])
+    data["architectures"] = data.get("architectures") or [_ARCHITECTURES[mt]]
     # transformers 5 saves the expert count under its internal name; Hub configs (and llama.cpp) use these
     hub_key = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts",
                "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}.get(mt)
@@ -573,6 +576,13 @@ def _config_files(out_dir: pathlib.Path, arch: dict, dtype: str) -> None:
         data[hub_key] = data.pop("num_local_experts")
     if a.get("rope_scaling"):  # Hub configs (and llama.cpp's converter) read the flat rope_scaling dict
         data.setdefault("rope_scaling", {**a["rope_scaling"], "type": a["rope_scaling"].get("type", "yarn")})
+    return data
+
+
+def _config_files(out_dir: pathlib.Path, arch: dict, dtype: str) -> None:
+    from transformers import GenerationConfig
+
+    data = config_dict(arch, dtype)
     (out_dir / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out_dir)
 

@@ -151,6 +151,13 @@ class MoEConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "MoEConfig":
+        try:
+            return cls._from_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"{cfg.get('model_type')} config.json lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict) -> "MoEConfig":
         model_type = cfg.get("model_type")
         archs = tuple(cfg.get("architectures") or ())
         if model_type not in SUPPORTED or (archs and not set(archs) & set(SUPPORTED[model_type])):

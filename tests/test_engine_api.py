@@ -115,9 +115,14 @@ def test_nan_weights_raise_floating_point_error(tmp_path):
 def test_unsupported_architecture(tmp_path):
     d = _copy(model_path("e8k2"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="dbrx", architectures=["DbrxForCausalLM"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"dbrx.*DbrxForCausalLM.*supports.*mixtral.*qwen3_moe.*deepseek_v3"):
+        Engine.from_pretrained(d, **REF)
+    # a supported family whose config lacks a key that family needs: named, not a KeyError
     cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"qwen2_moe.*Qwen2MoeForCausalLM.*supports.*mixtral"):
+    with pytest.raises(ValueError, match=r"qwen2_moe config.json lacks 'moe_intermediate_size'"):
         Engine.from_pretrained(d, **REF)
 
 

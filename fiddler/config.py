@@ -329,7 +329,8 @@ class MoEConfig:
         base = self.attention_params() + 2 * h
         if layer is not None and self.is_dense_layer(layer):
             return base + 3 * h * self.dense_intermediate_size
-        return base + self.num_experts * h + (h if self.shared_expert_gate else 0)
+        return (base + self.num_experts * h + (h if self.shared_expert_gate else 0)
+                + (self.num_experts if self.topk_method == "noaux_tc" else 0))  # V3's score-correction bias
 
     def embedding_params(self) -> int:
         """Embeddings, final norm and lm_head (not counted twice when tied)."""

@@ -24,7 +24,7 @@ from .generate import GenerationOutput, generate
 from .gpu_side import GpuSide
 from .kernel_loader import load_kernels
 from .model import MoETransformer
-from .placement import dense_placement
+from .placement import DensePlacement, dense_placement
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -142,7 +142,10 @@ class Engine:
             set_cpu_threads(cpu_threads)
         # Dense parts that do not fit the GPU budget stay on the CPU, whole layers at a time (-ngl style);
         # the executor's placement makes the same decision from the same function.
-        dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch)
+        try:
+            dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch)
+        except ValueError:  # not even the fixed part fits: the executor's own sizing decides (and explains)
+            dense = DensePlacement((True,) * cfg.num_layers)
         cpu = torch.device("cpu")
         layer_devices = [gpu.device if g else cpu for g in dense.gpu_layers]
         weights = load_weights(path, cfg, dtype=dtype, device=gpu.device, layer_devices=layer_devices)

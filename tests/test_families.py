@@ -131,3 +131,34 @@ def test_unsupported_deepseek_routing_fails_naming_it():
     d["attention_bias"] = True
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         MoEConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v2_lite",
+                                  "deepseek_v3"])
+def test_byte_counts_match_the_loaded_checkpoint(arch):
+    """Parameter counts of every family equal what load_weights reads: non-expert tensors (attention incl.
+    MLA's low-rank projections and norms, routers, shared-expert gates, dense MLPs, embeddings) and the
+    expert slots (shared experts split into routed-shape chunks)."""
+    from fiddler.weights import ExpertWeights, load_weights
+    from tests.models import model_path
+
+    path = model_path(arch)
+    cfg = MoEConfig.from_pretrained(path)
+    w = load_weights(path, cfg, dtype=torch.float32)
+
+    def numel(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel()
+        if isinstance(x, ExpertWeights):
+            return sum(t.numel() for t in (x.w1, x.w3, x.w2))
+        if isinstance(x, dict):
+            return sum(numel(v) for v in x.values())
+        return 0
+
+    non_expert = w.embed.numel() + w.norm.numel() + (0 if w.lm_head is w.embed else w.lm_head.numel())
+    non_expert += sum(numel(x) for l in w.layers for x in vars(l).values())
+    assert non_expert * 4 == cfg.non_expert_bytes(torch.float32)
+    assert len(w.experts) == cfg.num_moe_layers and all(len(row) == cfg.expert_slots for row in w.experts)
+    assert all(numel(e) * 4 == cfg.expert_bytes(torch.float32) for row in w.experts for e in row)
+    assert cfg.kv_cache_bytes(10, 1, torch.float32) == 4 * 10 * cfg.num_layers * (
+        cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim)

@@ -40,10 +40,16 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
     """
     s = dtype.itemsize
     T = max_seq_len * max_batch
-    H, F, K = config.hidden_size, config.intermediate_size, config.active_slots
+    H, K = config.hidden_size, config.active_slots
+    F = max(config.intermediate_size, config.dense_intermediate_size)  # an expert, or a dense layer's MLP
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     residual = 2 * T * H * s
-    attention = T * (2 * nh + 2 * nkv) * d * s + max_batch * max_seq_len * max_seq_len
+    if config.attention == "mla":  # queries, expanded keys/values (and the kv_b_proj output they come from), output
+        dqk, dv = config.qk_head_dim, config.v_head_dim
+        attention = T * nh * (2 * dqk + 2 * dv + config.qk_nope_head_dim + dv) * s
+    else:
+        attention = T * (2 * nh + 2 * nkv) * d * s
+    attention += max_batch * max_seq_len * max_seq_len
     moe = (2 * T * K * H * s          # per-slot weighted outputs + CPU-expert results copied back
            + T * H * s                 # combined output
            + T * (2 * H + 4 * F) * s   # one expert: gathered rows, output, gate, up, silu, product

@@ -79,3 +79,20 @@ def test_below_the_fixed_part_fails_with_the_numbers():
     with pytest.raises(ValueError, match="every layer's dense part on the CPU"):
         Engine.from_pretrained(model_path(ARCH), dtype=torch.float32, gpu=GpuSide.emulated(fixed - 1),
                                max_seq_len=SEQ, max_batch=BATCH, executor=FiddlerPolicy(latency_model=_MIX))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp32_greedy_with_dense_parts_on_cpu():
+    """On a GPU the layers that do not fit run on the CPU device with their KV cache there; the residual
+    stream moves between the devices and the results are still transformers'."""
+    budget, cfg = _budget()
+    e = Engine.from_pretrained(model_path(ARCH), dtype=torch.float32, gpu=GpuSide.cuda(budget),
+                               max_seq_len=SEQ, max_batch=BATCH, executor=FiddlerPolicy(latency_model=_MIX))
+    assert e.info()["dense_cpu_layers"] == [0, 1]
+    assert [d.type for d in e.model.layer_devices] == ["cpu", "cpu", "cuda"]
+    ids = prompt(12, ARCHS[ARCH]["vocab_size"], seed=2)
+    ref = hf_model(ARCH, torch.float32).generate(ids[None], max_new_tokens=24, do_sample=False)[0, 12:]
+    assert e.generate(ids, max_new_tokens=24).tokens.tolist() == ref.tolist()
+    out = e.generate(ids, max_new_tokens=8, beam_width=4)
+    assert len(out.tokens) == 8

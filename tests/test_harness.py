@@ -40,7 +40,8 @@ def test_groups_have_the_documented_options():
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_every_combination_composes_and_validates(environment, workload, system):
     conf, resolved = prepare(cfg_of(f"environment={environment}", f"workload={workload}", f"system={system}"))
-    assert conf.system.name == system
+    # a preset (fiddler_paper, llama_cpp_cpu_moe, ...) is its base system with other options
+    assert conf.system.name == system or system.startswith(f"{conf.system.name}_")
     env = resolved["environment"]
     for key in ("name", "memory_gb", "mem_bandwidth_gbps", "bf16_tflops"):
         assert key in env["gpu"]
@@ -103,9 +104,13 @@ def test_wrong_types_and_enum_values_fail_at_compose(overrides, words):
     assert all(w in text for w in words), text
 
 
-def test_simulate_mode_is_a_clear_error_for_now():
-    with pytest.raises(ConfigError, match="mode=simulate"):
-        prepare(cfg_of("mode=simulate"))
+def test_simulate_mode_is_accepted_and_its_options_checked():
+    conf, _ = prepare(cfg_of("mode=simulate", "model=mixtral_8x7b", "environment=rtx3060"))
+    assert conf.sim.reuse == 0.26
+    with pytest.raises(ConfigError, match="sim.reuse"):
+        prepare(cfg_of("mode=simulate", "sim.reuse=1.5"))
+    with pytest.raises(ConfigError, match="sim.routing"):
+        prepare(cfg_of("mode=simulate", "sim.routing=trace"))
 
 
 def test_prompts_are_seeded_and_shared():

@@ -24,4 +24,11 @@ class FiddlerConfig(EngineSystemConfig):
 
     planner: Planner = Planner.makespan
     placement: Placement = Placement.popularity
-    popularity_profile: Optional[str] = None  # JSON profile; None = uniform
+    popularity_profile: Optional[str] = None  # JSON profile; None = the model's reference profile, else uniform
+    overlap: Optional[bool] = None  # CPU and GPU queues concurrently; None = the executor's default (ablation: false)
+
+    def sim_policy(self):
+        from fiddler.sim import FiddlerSimPolicy
+
+        return FiddlerSimPolicy(planner=self.planner.value, placement=self.placement.value,
+                                overlap=self.overlap is not False)

@@ -24,6 +24,7 @@ from .generate import GenerationOutput, generate
 from .gpu_side import GpuSide
 from .kernel_loader import load_kernels
 from .model import MoETransformer
+from .placement import DensePlacement, dense_placement
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -92,7 +93,9 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
     thread: libgomp's workers spin for milliseconds after each parallel region, and two spinning pools on
     the same cores slow decode several-fold. torch then only runs small ops."""
     kernel_linears = any(l.packed is not None for l in model.linears())
-    max_tokens = choose_kernel_max_tokens(model.layers[0].qkv_proj.weight) if kernel_linears else None
+    # measured on the first layer's first packed projection (the fused qkv in GQA models)
+    probe = next((l for l in model.layers[0].linears() if l.packed is not None), None) if kernel_linears else None
+    max_tokens = choose_kernel_max_tokens(probe.weight) if probe is not None else None
     executor.bind_model(model)
     if max_tokens is not None:
         model.set_kernel_max_tokens(max_tokens)
@@ -137,12 +140,20 @@ class Engine:
         max_batch = max_batch or DEFAULT_MAX_BATCH
         if cpu_threads is not None:
             set_cpu_threads(cpu_threads)
-        weights = load_weights(path, cfg, dtype=dtype, device=gpu.device)
+        # Dense parts that do not fit the GPU budget stay on the CPU, whole layers at a time (-ngl style);
+        # the executor's placement makes the same decision from the same function.
+        try:
+            dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch)
+        except ValueError:  # not even the fixed part fits: the executor's own sizing decides (and explains)
+            dense = DensePlacement((True,) * cfg.num_layers)
+        cpu = torch.device("cpu")
+        layer_devices = [gpu.device if g else cpu for g in dense.gpu_layers]
+        weights = load_weights(path, cfg, dtype=dtype, device=gpu.device, layer_devices=layer_devices)
         ctx = BuildContext(cfg, dtype, gpu, max_seq_len=max_seq_len, max_batch=max_batch, cpu_threads=cpu_threads,
                            seed=seed)
         ex = (executor or FiddlerPolicy())(ctx, weights.experts)
         model = MoETransformer(cfg, weights, ex, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype,
-                               device=gpu.device)
+                               device=gpu.device, layer_devices=layer_devices)
         weights.experts = []  # the executor owns them now
         torch_threads_in_run = finalise_linears(model, ex)
         k = load_kernels()
@@ -152,6 +163,7 @@ class Engine:
             "device": str(gpu.device),
             "dtype": str(dtype).replace("torch.", ""),
             "model": {k_: v for k_, v in vars(cfg).items()},
+            "dense_cpu_layers": dense.cpu_layers,
             "max_seq_len": max_seq_len,
             "max_batch": max_batch,
             "gpu_side": gpu.kind,
@@ -229,7 +241,7 @@ class Engine:
             # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)
             m = self.model
             st["decode_experts_per_layer"] = (m.multi_row_expert_loads / m.multi_row_layer_steps
-                                              if m.multi_row_layer_steps else self.config.top_k)
+                                              if m.multi_row_layer_steps else self.config.active_slots)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids) -> torch.Tensor:

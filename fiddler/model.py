@@ -1,15 +1,22 @@
-"""The Mixtral forward pass in plain PyTorch.
+"""The forward pass of every supported MoE family in plain PyTorch: one generic decoder.
 
-Op order and dtypes follow transformers' modeling_mixtral.py (5.24) so that fp32 results agree to
-rounding and bf16 results to bf16 noise: RMSNorm in fp32 then cast back, rope tables built in fp32
-and cast to the model dtype, router softmax in fp32, top-k renormalised. Expert FFNs are not computed
-here: the MoE block hands (tokens, top-k ids, top-k weights) to an executor (fiddler.executors), which
-decides where each expert runs (the Fiddler part).
+Op order and dtypes follow transformers' (5.24) modeling_mixtral, modeling_qwen3_moe, modeling_qwen2_moe,
+modeling_olmoe, modeling_deepseek_v2 and modeling_deepseek_v3 so that fp32 results agree to rounding
+and bf16 results to bf16 noise: RMSNorm in fp32 then cast back, rope tables built in fp32 and cast to
+the model dtype, router scores in fp32. What differs between families is data (fiddler.config.MoEConfig):
+the attention kind (`GQAAttention`: optional q/k/v biases and q/k norms; `MLAAttention`: DeepSeek's
+multi-head latent attention), the router (`route`: softmax or sigmoid, greedy or grouped top-k, bias
+correction, renormalisation, scaling), shared experts and dense layers.
+
+Expert FFNs are not computed here: the MoE block hands (tokens, expert ids, weights) to an executor
+(fiddler.executors), which decides where each expert runs (the Fiddler part). Shared experts go to the
+executor as expert slots after the routed ones (config.expert_slots), routed for every token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +24,7 @@ import torch.nn.functional as F
 from .config import MoEConfig
 from .executors.contract import ExpertExecutor
 from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
-from .weights import ModelWeights
+from .weights import ExpertWeights, ModelWeights
 
 
 class Linear:
@@ -28,19 +35,20 @@ class Linear:
 
     kernel_max_tokens: int = 1 << 30  # default; the Engine sets it per model from a measurement
 
-    def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None):
+    def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None, bias: torch.Tensor | None = None):
         self.weight: torch.Tensor | None = weight
+        self.bias = bias
         k = load_kernels()
         if use_kernel is None:
             use_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.packed = k.PackedLinear(weight) if (use_kernel and k is not None) else None
+        self.packed = k.PackedLinear(weight, bias) if (use_kernel and k is not None) else None
         self.threads: int | None = None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out` (kernel path only): a preallocated [tokens, out_features] result buffer to write into."""
         if self.packed is not None and x.shape[0] <= self.kernel_max_tokens:
             return self.packed.forward(x, out=out, threads=self.threads, out_dtype=out_dtype or x.dtype)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -51,13 +59,68 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def rope_tables(cfg: MoEConfig, max_seq: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seq, head_dim], computed exactly like transformers' default rope (fp32, then cast)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+def yarn_inv_freq(cfg: MoEConfig) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies and attention factor over cfg.rope_dim, as transformers'
+    _compute_yarn_parameters computes them (DeepSeek's rope_scaling)."""
+    r, base, dim = cfg.rope_scaling, cfg.rope_theta, cfg.rope_dim
+    factor = r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
+    orig = r["original_max_position_embeddings"]
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = r.get("attention_factor")
+    if attention_factor is None:
+        if r.get("mscale") and r.get("mscale_all_dim"):
+            attention_factor = float(get_mscale(factor, r["mscale"]) / get_mscale(factor, r["mscale_all_dim"]))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+
+    def correction_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if r.get("truncate", True) is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extra = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv_freq, attention_factor
+
+
+def attention_scale(cfg: MoEConfig) -> float:
+    """Softmax scale: 1/sqrt(qk head dim), times DeepSeek's YaRN mscale^2 (yarn_apply_mscale)."""
+    scale = cfg.qk_head_dim ** -0.5
+    r = cfg.rope_scaling
+    if r and r.get("mscale_all_dim"):
+        factor = r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
+        m = 1.0 if factor <= 1 else 0.1 * r["mscale_all_dim"] * math.log(factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def rope_tables(cfg: MoEConfig, max_seq: int, dtype: torch.dtype, device):
+    """Rotary tables over cfg.rope_dim, computed like transformers (fp32, then cast): cos/sin [max_seq, dim]
+    for rotate_half and interleaved styles; for DeepSeek-V2's complex style one complex64 table
+    [max_seq, dim/2] (returned as (table, None))."""
+    d = cfg.rope_dim
+    if cfg.rope_scaling:
+        inv_freq, scaling = yarn_inv_freq(cfg)
+    else:
+        inv_freq, scaling = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
     freqs = torch.arange(max_seq, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    if cfg.rope_style == "complex":
+        return (torch.polar(torch.ones_like(freqs), freqs) * scaling).to(device), None
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,58 +128,184 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral router: softmax in fp32 over all experts, top-k, renormalise over the chosen ones."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    w, idx = torch.topk(probs, top_k, dim=-1)
-    w /= w.sum(dim=-1, keepdim=True)
+def apply_rope(cfg: MoEConfig, q: torch.Tensor, k: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, nh, T, d], k [B, nk, T, d]; cos/sin the tables' rows for these positions."""
+    if cfg.rope_style == "half":
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if cfg.rope_style == "interleave":  # DeepSeek-V3: pairs (x0, x1), (x2, x3), ... rotated by one frequency
+        c, s_ = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+
+        def rot(x):
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+
+        return rot(q), rot(k)
+    # complex (DeepSeek-V2): the same pairs as complex numbers, in fp32
+    def rot(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * cos).flatten(3).type_as(x)
+
+    return rot(q), rot(k)
+
+
+def route(logits: torch.Tensor, cfg_or_top_k, dtype: torch.dtype, score_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: top-k expert ids and weights (in `dtype`) from router logits, as the family's transformers
+    router computes them. Mixtral/Qwen/OLMoE: softmax in fp32, top-k, renormalised if norm_topk_prob.
+    DeepSeek-V2: softmax, greedy or group-limited top-k (best experts of the best groups), times
+    routed_scaling_factor. DeepSeek-V3: sigmoid scores, groups chosen by their top-2 sum with the bias
+    correction, experts by biased score, weights the unbiased scores, renormalised and scaled.
+    `cfg_or_top_k`: a MoEConfig, or an int top_k for Mixtral's router."""
+    if isinstance(cfg_or_top_k, int):
+        probs = torch.softmax(logits.float(), dim=-1)
+        w, idx = torch.topk(probs, cfg_or_top_k, dim=-1)
+        w /= w.sum(dim=-1, keepdim=True)
+        return idx, w.to(dtype)
+    cfg = cfg_or_top_k
+    E, K, G = cfg.num_experts, cfg.top_k, cfg.n_group
+    if cfg.scoring_func == "sigmoid":
+        scores = logits.float().sigmoid()
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if cfg.topk_method == "noaux_tc":
+        choice = scores + score_bias
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        mask = mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        idx = torch.topk(choice, k=K, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            w /= w.sum(dim=-1, keepdim=True) + 1e-20
+        return idx, (w * cfg.routed_scaling_factor).to(dtype)
+    if cfg.topk_method == "group_limited_greedy":
+        group_scores = scores.view(-1, G, E // G).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        mask = mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        scores = scores.masked_fill(~mask.bool(), 0.0)
+    w, idx = torch.topk(scores, K, dim=-1, sorted=cfg.topk_sorted)
+    if cfg.norm_topk_prob:
+        w /= w.sum(dim=-1, keepdim=True)
+    if cfg.router_fp32:  # DeepSeek scales (V2: always, whatever the factor)
+        w = w * cfg.routed_scaling_factor
     return idx, w.to(dtype)
+
+
+class DenseMLP:
+    """A dense layer's SwiGLU MLP (DeepSeek's first_k_dense_replace layers, Qwen's mlp_only_layers): the
+    packed expert kernel for bf16 on the CPU, else torch (op for op as transformers' MLP)."""
+
+    def __init__(self, w: ExpertWeights, use_kernel: bool | None):
+        k = load_kernels()
+        if use_kernel is None:
+            use_kernel = w.w1.device.type == "cpu" and w.w1.dtype == torch.bfloat16
+        self.packed = k.PackedExpert(w.w1, w.w3, w.w2) if (use_kernel and k is not None) else None
+        self.w = None if self.packed is not None else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.forward(x.contiguous())
+        return F.linear(F.silu(F.linear(x, self.w.w1)) * F.linear(x, self.w.w3), self.w.w2)
 
 
 @dataclass
 class DecoderLayer:
-    """The non-expert parts of one decoder layer (its experts belong to the executor)."""
+    """The non-expert parts of one decoder layer (its experts belong to the executor). GQA layers use
+    qkv_proj/o_proj (+ q/k norms); MLA layers `mla` and o_proj. A MoE layer has a router (`moe_index`
+    is its executor layer); a dense layer has `mlp` instead."""
 
     input_norm: torch.Tensor  # RMSNorm weight before attention
-    qkv_proj: Linear  # fused [q; k; v] projection
+    qkv_proj: Linear | None  # fused [q; k; v] projection (GQA)
     o_proj: Linear
     post_norm: torch.Tensor  # RMSNorm weight before the MoE block: its output is the router's input
-    router: Linear  # the gate: hidden -> one logit per expert
+    router: Linear | None  # the gate: hidden -> one logit per expert (None in a dense layer)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    mla: dict | None = None  # MLA: q_proj | (q_a_proj, q_a_norm, q_b_proj), kv_a_proj, kv_a_norm, kv_b_proj
+    router_fp32: torch.Tensor | None = None  # DeepSeek: the router's fp32 weight (router is None then)
+    score_bias: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
+    mlp: DenseMLP | None = None
+    moe_index: int | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def linears(self) -> list[Linear]:
-        return [self.qkv_proj, self.o_proj, self.router]
+        out = [m for m in (self.qkv_proj, self.o_proj, self.router) if m is not None]
+        if self.mla:
+            out += [m for m in self.mla.values() if isinstance(m, Linear)]
+        return out
+
+    def router_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.router_fp32 is not None:
+            return F.linear(h.float(), self.router_fp32)
+        return self.router(h, out=out)
 
 
 class KVCache:
-    """Preallocated [batch, kv_heads, max_seq, head_dim] keys and values per layer."""
+    """Preallocated per-layer caches [batch, heads, max_seq, dim]: keys and values of every KV head (GQA),
+    or for MLA the compressed latent (in `k`, one "head" of kv_lora_rank) and the shared rope key (in `v`,
+    one head of qk_rope_head_dim), as transformers' DeepSeek caches them. `k`/`v` stack the layers that
+    live on `device`; layers placed on the CPU (dense parts that do not fit the GPU) have their own."""
 
-    def __init__(self, cfg: MoEConfig, max_batch: int, max_seq: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_seq, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, cfg: MoEConfig, max_batch: int, max_seq: int, dtype: torch.dtype, device,
+                 layer_devices: list[torch.device] | None = None):
+        if cfg.attention == "mla":
+            kshape, vshape = (1, max_seq, cfg.kv_lora_rank), (1, max_seq, cfg.qk_rope_head_dim)
+        else:
+            kshape = vshape = (cfg.num_kv_heads, max_seq, cfg.head_dim)
+        device = torch.device(device)
+        devs = [torch.device(d) for d in layer_devices] if layer_devices else [device] * cfg.num_layers
+        main = [i for i, d in enumerate(devs) if d == device]
+        other = [i for i, d in enumerate(devs) if d != device]
+        self.k = torch.zeros((len(main), max_batch, *kshape), dtype=dtype, device=device)
+        self.v = torch.zeros((len(main), max_batch, *vshape), dtype=dtype, device=device)
+        self._other = None
+        self._where: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * cfg.num_layers  # type: ignore
+        for j, i in enumerate(main):
+            self._where[i] = (self.k, self.v, j)
+        if other:
+            od = devs[other[0]]
+            ok = torch.zeros((len(other), max_batch, *kshape), dtype=dtype, device=od)
+            ov = torch.zeros((len(other), max_batch, *vshape), dtype=dtype, device=od)
+            self._other = (ok, ov)
+            for j, i in enumerate(other):
+                self._where[i] = (ok, ov, j)
         self.max_batch, self.max_seq = max_batch, max_seq
+        self.single = not other  # every layer in self.k / self.v, in layer order
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v, j = self._where[i]
+        return k[j], v[j]
 
     def reorder(self, beam_idx: torch.Tensor, length: int):
         """Beam search: row b of the cache becomes old row beam_idx[b] (only the filled prefix is copied)."""
         B = beam_idx.shape[0]
-        for t in (self.k, self.v):
-            t[:, :B, :, :length] = t[:, :B, :, :length].index_select(1, beam_idx)
+        for t in (self.k, self.v) + (self._other or ()):
+            t[:, :B, :, :length] = t[:, :B, :, :length].index_select(1, beam_idx.to(t.device))
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) + (self._other or ()))
 
 
 class MoETransformer:
-    """Mixtral decoder. `forward(tokens[B, T], start_pos)` appends to the KV cache and returns logits.
+    """The decoder. `forward(tokens[B, T], start_pos)` appends to the KV cache and returns logits.
 
-    Decode fast path: for one new token per row (T == 1) in bf16 on the CPU, the per-token small ops
-    (RMSNorms, rope, KV-cache write, attention) run as single calls into the C++ kernel library
-    (fiddler.kernels.decode) instead of ~40 torch ops per layer. RMSNorm, rope and the cache contents are
-    bit-exact with the torch path; attention agrees within one bf16 ulp of each head's output magnitude
-    (summation order and exp differ from torch's flash-attention kernel). `decode_fastpath`: None = use it
-    where available, False = always the torch ops (reference), True = require it. The attribute of the
-    same name can be switched between forward calls (only to False, or back on if it was available).
+    Decode fast path: for one new token per row (T == 1) in bf16 on the CPU with GQA attention, the
+    per-token small ops (RMSNorms, rope, KV-cache write, attention) run as single calls into the C++
+    kernel library (fiddler.kernels.decode) instead of ~40 torch ops per layer (q/k norms, where the
+    family has them, run in torch on the projection's output first). RMSNorm, rope and the cache
+    contents are bit-exact with the torch path; attention agrees within one bf16 ulp of each head's output
+    magnitude (summation order and exp differ from torch's flash-attention kernel). `decode_fastpath`:
+    None = use it where available, False = always the torch ops (reference), True = require it. The
+    attribute of the same name can be switched between forward calls (only to False, or back on if it
+    was available).
+
+    `layer_devices` (default: every layer on `device`): where each layer's non-expert weights and KV cache
+    live; a layer on another device (the CPU, when the dense parts do not fit the GPU) runs there and
+    the residual stream moves with it.
     """
 
     def __init__(
@@ -131,26 +320,43 @@ class MoETransformer:
         device,
         use_kernel: bool | None = None,
         decode_fastpath: bool | None = None,
+        layer_devices: list[torch.device] | None = None,
     ):
         self.cfg, self.executor, self.dtype, self.device = cfg, executor, dtype, torch.device(device)
         self.embed = weights.embed
         self.norm = weights.norm
         self.lm_head = Linear(weights.lm_head, use_kernel=use_kernel)
-        # q, k and v share their input: one fused [q; k; v] projection is one kernel call (one thread-pool
-        # wake-up) instead of three; each output row is the same dot product as before.
+        self.layer_devices = [torch.device(d) for d in layer_devices] if layer_devices else \
+            [self.device] * cfg.num_layers
         self.layers: list[DecoderLayer] = []
-        for l in weights.layers:
-            qkv = torch.cat([l.q, l.k, l.v])
-            l.q = l.k = l.v = None  # the fused copy replaces them
-            self.layers.append(DecoderLayer(
-                input_norm=l.input_norm,
-                qkv_proj=Linear(qkv, use_kernel=use_kernel),
-                o_proj=Linear(l.o, use_kernel=use_kernel),
-                post_norm=l.post_norm,
-                router=Linear(l.gate, use_kernel=use_kernel),
-            ))
-        self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device)
+        moe_layers = cfg.moe_layers
+        for i, l in enumerate(weights.layers):
+            layer = DecoderLayer(input_norm=l.input_norm, qkv_proj=None, o_proj=Linear(l.o, use_kernel=use_kernel,
+                                                                                       bias=l.o_bias),
+                                 post_norm=l.post_norm, router=None, q_norm=l.q_norm, k_norm=l.k_norm,
+                                 device=self.layer_devices[i])
+            if l.mla is not None:
+                layer.mla = {k: (Linear(w, use_kernel=use_kernel) if w.dim() == 2 else w) for k, w in l.mla.items()}
+            else:
+                # q, k and v share their input: one fused [q; k; v] projection is one kernel call (one thread-pool
+                # wake-up) instead of three; each output row is the same dot product as before.
+                qkv = torch.cat([l.q, l.k, l.v])
+                l.q = l.k = l.v = None  # the fused copy replaces them
+                layer.qkv_proj = Linear(qkv, use_kernel=use_kernel, bias=l.qkv_bias)
+            if l.mlp is not None:
+                layer.mlp = DenseMLP(l.mlp, use_kernel)
+            else:
+                layer.moe_index = moe_layers.index(i)
+                if l.gate.dtype != dtype:  # DeepSeek: an fp32 router
+                    layer.router_fp32 = l.gate
+                else:
+                    layer.router = Linear(l.gate, use_kernel=use_kernel)
+                layer.score_bias, layer.shared_gate = l.score_bias, l.shared_gate
+            self.layers.append(layer)
+        self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device, self.layer_devices)
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
+        self._rope_on: dict[torch.device, tuple] = {self.device: (self.cos, self.sin)}
+        self.scale = attention_scale(cfg)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
         self._decode_norm = None
@@ -159,7 +365,7 @@ class MoETransformer:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
         self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
         # Distinct experts used per layer in decode steps with several rows (beams share experts), for
-        # the decode bound; with one row it is top_k and is not counted.
+        # the decode bound; with one row it is top_k (+ shared slots) and is not counted.
         self.multi_row_expert_loads = 0
         self.multi_row_layer_steps = 0
 
@@ -169,6 +375,10 @@ class MoETransformer:
             return None, f"needs bf16 on the CPU (model is {self.dtype} on {self.device})"
         if use_kernel is False:
             return None, "use_kernel=False"
+        if self.cfg.attention != "gqa" or self.cfg.rope_style != "half" or self.cfg.rope_scaling:
+            return None, f"the fused attention implements GQA with default rope, not {self.cfg.attention}"
+        if not self.cache.single:
+            return None, "layers on several devices"
         kd = load_decode_kernels()
         if kd is None:
             return None, decode_kernels_error()
@@ -183,15 +393,21 @@ class MoETransformer:
         self._decode_norm = kd.rms_norm
         return ops, None
 
-    def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor | None:
         """A reusable output buffer for decode steps (one token per row); None for prefill, whose shapes vary."""
         if shape[0] > self.max_batch:
             return None
-        key = (name, shape, dtype)
+        device = torch.device(device) if device is not None else self.device
+        key = (name, shape, dtype, device)
         b = self._bufs.get(key)
         if b is None:
-            b = self._bufs[key] = torch.empty(shape, dtype=dtype, device=self.device)
+            b = self._bufs[key] = torch.empty(shape, dtype=dtype, device=device)
         return b
+
+    def _rope(self, device: torch.device):
+        if device not in self._rope_on:
+            self._rope_on[device] = tuple(t.to(device) if t is not None else None for t in (self.cos, self.sin))
+        return self._rope_on[device]
 
     def linears(self) -> list[Linear]:
         return [self.lm_head] + [m for layer in self.layers for m in layer.linears()]
@@ -202,49 +418,145 @@ class MoETransformer:
             if lin.packed is not None and n >= Linear.kernel_max_tokens:
                 lin.weight = None  # the kernel serves every token count: drop torch's copy of the weight
 
-    def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
+    # ------------------------------------------------------------------ attention
+
+    def _qk_norm_clip(self, layer: DecoderLayer, qkv: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """Qwen3's per-head and OLMoE's full-width q/k RMSNorms and OLMoE's clip_qkv, applied to the fused
+        projection's output [B*T, (nh + 2 nkv) d] (in place) before rope."""
         cfg = self.cfg
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = qkv_proj(h, out=self._buf("qkv", (B * T, (nh + 2 * nkv) * d), h.dtype)).view(B, T, nh + 2 * nkv, d)
-        q = qkv[:, :, :nh].transpose(1, 2)
-        k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
-        v = qkv[:, :, nh + nkv :].transpose(1, 2)
-        cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        kc, vc = self.cache.k[i, :B], self.cache.v[i, :B]
-        kc[:, :, pos : pos + T] = k
-        vc[:, :, pos : pos + T] = v
-        L = pos + T
-        keys, values = kc[:, :, :L], vc[:, :, :L]
-        scale = d**-0.5
-        window = cfg.sliding_window
+        nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if cfg.qk_norm == "head":
+            d = cfg.head_dim
+            qkv[:, :nq] = rms_norm(qkv[:, :nq].reshape(-1, cfg.num_heads, d), layer.q_norm,
+                                   cfg.rms_norm_eps).reshape(-1, nq)
+            qkv[:, nq:nq + nk] = rms_norm(qkv[:, nq:nq + nk].reshape(-1, cfg.num_kv_heads, d), layer.k_norm,
+                                          cfg.rms_norm_eps).reshape(-1, nk)
+        elif cfg.qk_norm == "full":
+            qkv[:, :nq] = rms_norm(qkv[:, :nq], layer.q_norm, cfg.rms_norm_eps)
+            qkv[:, nq:nq + nk] = rms_norm(qkv[:, nq:nq + nk], layer.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            qkv.clamp_(min=-cfg.clip_qkv, max=cfg.clip_qkv)
+        return qkv
+
+    def _sdpa(self, q, keys, values, B: int, T: int, pos: int, nkv: int) -> torch.Tensor:
+        """Causal attention of T queries at pos.. over keys [0, pos + T) (and the sliding window);
+        returns [B*T, nh * dv]."""
+        nh, L, window, scale = q.shape[1], pos + T, self.cfg.sliding_window, self.scale
+        d = q.shape[-1]
         if T == 1 and (window is None or L <= window):
             # One query per sequence: attend per KV head with its group of query heads (no repeat of K/V).
             o = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, d), keys, values, scale=scale)
         elif pos == 0 and (window is None or L <= window):
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=nh != nkv)
         else:
-            qi = torch.arange(pos, L, device=h.device)[:, None]
-            kj = torch.arange(L, device=h.device)[None, :]
+            qi = torch.arange(pos, L, device=q.device)[:, None]
+            kj = torch.arange(L, device=q.device)[None, :]
             mask = kj <= qi
             if window is not None:
                 mask &= kj > qi - window
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=nh != nkv)
-        o = o.reshape(B, nh, T, d).transpose(1, 2).reshape(B * T, nh * d)
-        return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype))
+        return o.reshape(B, nh, T, -1).transpose(1, 2).reshape(B * T, -1)
 
-    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, router: Linear, count_rows: bool) -> torch.Tensor:
-        """x + MoE(h) for layer i: route, hand the experts to the executor, then the executor's hook that
-        sees the residual stream after each MoE layer (e.g. to guess and prefetch the next layer's experts
-        with its router, as Mixtral-Offloading does)."""
+    def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
+        """GQA attention of layer i (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE)."""
+        cfg, layer = self.cfg, self.layers[i]
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        main = h.device == self.device
+        qkv = qkv_proj(h, out=self._buf("qkv", (B * T, (nh + 2 * nkv) * d), h.dtype) if main else None)
+        if cfg.qk_norm or cfg.clip_qkv is not None:
+            qkv = self._qk_norm_clip(layer, qkv, B, T)
+        qkv = qkv.view(B, T, nh + 2 * nkv, d)
+        q = qkv[:, :, :nh].transpose(1, 2)
+        k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
+        v = qkv[:, :, nh + nkv :].transpose(1, 2)
+        cos, sin = self._rope(h.device)
+        q, k = apply_rope(cfg, q, k, cos[pos : pos + T], sin[pos : pos + T])
+        kc, vc = self.cache.layer(i)
+        kc, vc = kc[:B], vc[:B]
+        kc[:, :, pos : pos + T] = k
+        vc[:, :, pos : pos + T] = v
+        L = pos + T
+        o = self._sdpa(q, kc[:, :, :L], vc[:, :, :L], B, T, pos, nkv)
+        return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype) if main else None)
+
+    def _mla_attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int):
+        """DeepSeek's multi-head latent attention of layer i, op for op as transformers' DeepseekV2/V3
+        Attention: queries through the optional low-rank q_a/q_b pair, keys and values from the cached
+        compressed latent (RMSNorm'd) expanded by kv_b_proj every step, plus the one shared rope key."""
+        cfg, m = self.cfg, self.layers[i].mla
+        nh, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if "q_proj" in m:
+            q = m["q_proj"](h)
+        else:  # transformers' DeepseekV2RMSNorm default eps (1e-6) for the low-rank norms, not rms_norm_eps
+            q = m["q_b_proj"](rms_norm(m["q_a_proj"](h), m["q_a_norm"], 1e-6))
+        q = q.view(B, T, nh, dn + dr).transpose(1, 2)
+        q_nope, q_pe = torch.split(q, [dn, dr], dim=-1)
+        kv_nope, k_pe = torch.split(m["kv_a_proj"](h), [r, dr], dim=-1)
+        latent = rms_norm(kv_nope, m["kv_a_norm"], 1e-6).view(B, 1, T, r)
+        k_pe = k_pe.reshape(B, 1, T, dr)
+        cos, sin = self._rope(h.device)
+        if cfg.rope_style == "complex":
+            q_pe, k_pe = apply_rope(cfg, q_pe, k_pe, cos[pos : pos + T], None)
+        else:
+            q_pe, k_pe = apply_rope(cfg, q_pe, k_pe, cos[pos : pos + T], sin[pos : pos + T])
+        lc, pc = self.cache.layer(i)
+        lc, pc = lc[:B], pc[:B]
+        lc[:, :, pos : pos + T] = latent
+        pc[:, :, pos : pos + T] = k_pe
+        L = pos + T
+        kv = m["kv_b_proj"](lc[:, 0, :L].reshape(B * L, r)).view(B, L, nh, dn + dv).transpose(1, 2)
+        k_nope, values = torch.split(kv, [dn, dv], dim=-1)
+        keys = kv.new_empty(B, nh, L, dn + dr)
+        keys[..., :dn].copy_(k_nope)
+        keys[..., dn:].copy_(pc[:, :, :L].expand(-1, nh, -1, -1))
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        o = self._sdpa(query, keys, values, B, T, pos, nh)
+        return self.layers[i].o_proj(o)
+
+    def _attend(self, i: int, h: torch.Tensor, B: int, T: int, pos: int) -> torch.Tensor:
+        layer = self.layers[i]
+        if layer.mla is not None:
+            return self._mla_attention(i, h, B, T, pos)
+        return self._attention(i, h, B, T, pos, layer.qkv_proj, layer.o_proj)
+
+    # ------------------------------------------------------------------ MLP / MoE
+
+    def _route(self, layer: DecoderLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids and weights [T, active_slots] for the executor: the router's top-k, then every shared
+        slot (weight sigmoid(x . w_gate) for Qwen2-MoE's gated shared expert, else 1)."""
         cfg = self.cfg
-        idx, w = route(router(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)), cfg.top_k, self.dtype)
+        main = h.device == self.device
+        logits = layer.router_logits(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)
+                                     if main and layer.router is not None else None)
+        idx, w = route(logits, cfg, self.dtype, layer.score_bias)
+        S = cfg.shared_slots
+        if S:
+            T = h.shape[0]
+            ids = torch.arange(cfg.num_experts, cfg.num_experts + S, device=idx.device).expand(T, S)
+            g = torch.sigmoid(F.linear(h, layer.shared_gate)) if layer.shared_gate is not None else \
+                torch.ones(T, 1, dtype=w.dtype, device=w.device)
+            idx = torch.cat([idx, ids], dim=1)
+            w = torch.cat([w, g.to(w.dtype).expand(T, S)], dim=1)
+        return idx, w
+
+    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, router: Linear | None, count_rows: bool) -> torch.Tensor:
+        """x + MLP(h) for layer i: a dense layer's MLP, or route, hand the experts to the executor, then the
+        executor's hook that sees the residual stream after each MoE layer (e.g. to guess and prefetch the
+        next layer's experts with its router, as Mixtral-Offloading does). `router`: unused (the layer's)."""
+        layer = self.layers[i]
+        if layer.mlp is not None:
+            return x + layer.mlp(h)
+        idx, w = self._route(layer, h)
         if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
-            self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=cfg.num_experts) > 0).sum())
+            self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=self.cfg.expert_slots) > 0).sum())
             self.multi_row_layer_steps += 1
-        x = x + self.executor.forward(i, h, idx, w)
-        self.executor.after_moe(i, x)
+        j = layer.moe_index
+        if h.device != self.device:  # a layer whose dense part lives on the CPU: experts see the GPU side
+            y = self.executor.forward(j, h.to(self.device), idx.to(self.device), w.to(self.device)).to(h.device)
+        else:
+            y = self.executor.forward(j, h, idx, w)
+        x = x + y
+        self.executor.after_moe(j, x)
         return x
 
     def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
@@ -255,12 +567,15 @@ class MoETransformer:
         if attend.k_cache is not self.cache.k or attend.v_cache is not self.cache.v:
             raise RuntimeError("the KV cache was replaced after the decode kernels were bound to it")
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_ops = cfg.qk_norm is not None or cfg.clip_qkv is not None
         buf_n1, buf_n2 = self._buf("norm1", (B, H), dt), self._buf("norm2", (B, H), dt)
         buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv_proj(norm(x, layer.input_norm, eps, out=buf_n1), out=buf_qkv)
+            if qk_ops:
+                qkv = self._qk_norm_clip(layer, qkv, B, 1)
             x = x + layer.o_proj(attend(i, qkv, pos, buf_att), out=buf_o)
             x = self._moe(i, x, norm(x, layer.post_norm, eps, out=buf_n2), layer.router, B > 1)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
@@ -281,11 +596,13 @@ class MoETransformer:
         if T == 1 and self.decode_fastpath and self._decode_ops is not None and tokens.device.type == "cpu":
             return self._decode_step(tokens, start_pos, all_logits)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        x = F.embedding(tokens.reshape(-1), self.embed)  # [B*T, H]
+        x = F.embedding(tokens.reshape(-1).to(self.embed.device), self.embed)  # [B*T, H]
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, rms_norm(x, layer.input_norm, eps), B, T, start_pos, layer.qkv_proj,
-                                    layer.o_proj)
+            if x.device != layer.device:
+                x = x.to(layer.device)
+            x = x + self._attend(i, rms_norm(x, layer.input_norm, eps), B, T, start_pos)
             x = self._moe(i, x, rms_norm(x, layer.post_norm, eps), layer.router, T == 1 and B > 1)
+        x = x.to(self.norm.device)
         if all_logits:
             return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
         x = x.view(B, T, -1)[:, -1].contiguous()

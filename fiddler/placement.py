@@ -6,6 +6,11 @@ the KV cache for max_seq_len x max_batch, the executor's copy buffers for expert
 `reservation`). What is left holds whole experts: the most popular (layer, expert) pairs first
 (popularity placement, the paper's policy), a seeded random set (ablation), or an explicit
 fraction/mask (tests).
+
+When the non-expert weights themselves do not fit (DeepSeek-V3's 17B dense parameters on a 24 GB card),
+`dense_placement` keeps the embeddings/lm_head and as many whole layers as fit on the GPU -- the last
+ones, like llama.cpp's -ngl -- and puts the other layers' attention, norms, router or dense MLP and their
+KV cache on the CPU, where the model runs them (fiddler.model.MoETransformer layer_devices).
 """
 
 from __future__ import annotations
@@ -35,10 +40,16 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
     """
     s = dtype.itemsize
     T = max_seq_len * max_batch
-    H, F, K = config.hidden_size, config.intermediate_size, config.top_k
+    H, K = config.hidden_size, config.active_slots
+    F = max(config.intermediate_size, config.dense_intermediate_size)  # an expert, or a dense layer's MLP
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     residual = 2 * T * H * s
-    attention = T * (2 * nh + 2 * nkv) * d * s + max_batch * max_seq_len * max_seq_len
+    if config.attention == "mla":  # queries, expanded keys/values (and the kv_b_proj output they come from), output
+        dqk, dv = config.qk_head_dim, config.v_head_dim
+        attention = T * nh * (2 * dqk + 2 * dv + config.qk_nope_head_dim + dv) * s
+    else:
+        attention = T * (2 * nh + 2 * nkv) * d * s
+    attention += max_batch * max_seq_len * max_seq_len
     moe = (2 * T * K * H * s          # per-slot weighted outputs + CPU-expert results copied back
            + T * H * s                 # combined output
            + T * (2 * H + 4 * F) * s   # one expert: gathered rows, output, gate, up, silu, product
@@ -47,12 +58,81 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
     return {"residual": residual, "attention_or_moe": max(attention, moe), "logits": logits}
 
 
-def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
-    """Bytes the GPU needs before any expert is made resident, by component."""
+def layer_dense_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> list[int]:
+    """Per decoder layer: its non-expert weights plus its share of the KV cache (what moves to the CPU
+    together when the layer does not fit the GPU)."""
+    kv = config.kv_cache_bytes(max_seq_len, max_batch, dtype) // config.num_layers
+    return [config.layer_non_expert_params(i) * dtype.itemsize + kv for i in range(config.num_layers)]
+
+
+@dataclass(frozen=True)
+class DensePlacement:
+    """Which decoder layers keep their dense part (attention, norms, router / dense MLP, KV cache) on the
+    GPU side; embeddings, final norm and lm_head always do."""
+
+    gpu_layers: tuple[bool, ...]
+
+    @property
+    def all_on_gpu(self) -> bool:
+        return all(self.gpu_layers)
+
+    @property
+    def cpu_layers(self) -> list[int]:
+        return [i for i, g in enumerate(self.gpu_layers) if not g]
+
+
+def _fixed_reservation(config, dtype, max_seq_len, max_batch) -> dict[str, int]:
     act = activation_bytes(config, dtype, max_seq_len, max_batch)
+    return {"embeddings_and_head": int(config.embedding_params() * dtype.itemsize),
+            "expert_copy_buffers": COPY_BUFFERS * int(config.expert_bytes(dtype)),
+            "activations": int(sum(act.values()))}
+
+
+def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: int,
+                    max_batch: int) -> DensePlacement:
+    """Every layer on the GPU when the whole reservation fits the budget (or there is no GPU: then the
+    question does not arise and everything is on the one device); else embeddings/lm_head, copy buffers
+    and activations first, then whole layers from the last one backwards while they fit (llama.cpp's
+    -ngl order). Raises ValueError when not even the fixed part fits."""
+    L = config.num_layers
+    if budget_bytes is None:
+        return DensePlacement((True,) * L)
+    fixed = _fixed_reservation(config, dtype, max_seq_len, max_batch)
+    per_layer = layer_dense_bytes(config, dtype, max_seq_len, max_batch)
+    avail = budget_bytes - sum(fixed.values())
+    if avail >= sum(per_layer):
+        return DensePlacement((True,) * L)
+    if avail < 0:
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in fixed.items())
+        raise ValueError(
+            f"GPU budget {budget_bytes} B ({budget_bytes / 2**30:.3f} GiB) is smaller than what the GPU side "
+            f"needs with every layer's dense part on the CPU: {sum(fixed.values())} B = {parts} "
+            f"(max_seq_len={max_seq_len}, max_batch={max_batch})")
+    on = [False] * L
+    for i in reversed(range(L)):
+        if per_layer[i] > avail:
+            break
+        on[i] = True
+        avail -= per_layer[i]
+    return DensePlacement(tuple(on))
+
+
+def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int,
+                gpu_layers: Sequence[bool] | None = None) -> dict[str, int]:
+    """Bytes the GPU needs before any expert is made resident, by component. `gpu_layers` (default: all):
+    the layers whose dense part and KV cache are on the GPU side (see dense_placement)."""
+    act = activation_bytes(config, dtype, max_seq_len, max_batch)
+    if gpu_layers is None or all(gpu_layers):
+        weights = int(config.non_expert_bytes(dtype))
+        kv = int(config.kv_cache_bytes(max_seq_len, max_batch, dtype))
+    else:
+        s = dtype.itemsize
+        weights = config.embedding_params() * s + sum(config.layer_non_expert_params(i) * s
+                                                      for i, g in enumerate(gpu_layers) if g)
+        kv = config.kv_cache_bytes(max_seq_len, max_batch, dtype) // config.num_layers * sum(map(bool, gpu_layers))
     return {
-        "non_expert_weights": int(config.non_expert_bytes(dtype)),
-        "kv_cache": int(config.kv_cache_bytes(max_seq_len, max_batch, dtype)),
+        "non_expert_weights": int(weights),
+        "kv_cache": int(kv),
         "expert_copy_buffers": COPY_BUFFERS * int(config.expert_bytes(dtype)),
         "activations": int(sum(act.values())),
     }
@@ -68,6 +148,7 @@ class Placement:
     budget_bytes: int | None = None
     reserved: dict[str, int] = field(default_factory=dict)
     seed: int | None = None
+    gpu_layers: tuple[bool, ...] | None = None  # decoder layers whose dense part is on the GPU (None: all)
 
     @property
     def num_resident(self) -> int:
@@ -102,6 +183,7 @@ class Placement:
             "resident_bytes": self.resident_bytes,
             "resident_per_layer": [sum(r) for r in self.resident],
             "resident": [[e for e, r in enumerate(row) if r] for row in self.resident],
+            "dense_cpu_layers": [i for i, g in enumerate(self.gpu_layers) if not g] if self.gpu_layers else [],
         }
 
 
@@ -122,13 +204,15 @@ def place(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: 
     "mask" (exactly `mask`; must fit when a budget is given). budget_bytes=None means no GPU:
     nothing is resident, whatever the strategy.
     """
-    L, E = config.num_layers, config.num_experts
+    L, E = config.num_moe_layers, config.expert_slots
     eb = int(config.expert_bytes(dtype))
     if budget_bytes is None:
         return Placement([[False] * E for _ in range(L)], "none (no GPU)", eb, None, {}, None)
-    reserved = reservation(config, dtype, max_seq_len, max_batch)
+    dense = dense_placement(config, dtype, budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch)
+    gpu_layers = None if dense.all_on_gpu else dense.gpu_layers
+    reserved = reservation(config, dtype, max_seq_len, max_batch, gpu_layers)
     need = sum(reserved.values())
-    if budget_bytes < need:
+    if budget_bytes < need:  # cannot happen after dense_placement; kept as the invariant's check
         parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in reserved.items())
         raise ValueError(
             f"GPU budget {budget_bytes} B ({budget_bytes / 2**30:.3f} GiB) is smaller than the reservation "
@@ -160,7 +244,7 @@ def place(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: 
     else:
         raise ValueError(f"unknown placement strategy {strategy!r}; use popularity, random, fraction or mask")
     return Placement(_mask_from_pairs(L, E, chosen), strategy, eb, int(budget_bytes), reserved,
-                     seed if strategy == "random" else None)
+                     seed if strategy == "random" else None, gpu_layers)
 
 
 def parse_placement(spec: str) -> tuple[str, dict[str, Any]]:

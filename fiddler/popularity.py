@@ -54,8 +54,8 @@ class Popularity:
         return self.num_layers, self.num_experts
 
     def check_shape(self, config) -> None:
-        """Raise ValueError unless this profile is (config.num_layers x config.num_experts)."""
-        want = (config.num_layers, config.num_experts)
+        """Raise ValueError unless this profile is (MoE layers x expert slots) of `config`."""
+        want = (config.num_moe_layers, config.expert_slots)
         if self.shape != want:
             raise ValueError(
                 f"popularity profile has shape {self.shape[0]} layers x {self.shape[1]} experts but the model "
@@ -88,11 +88,20 @@ class Popularity:
         return cls([[1.0] * num_experts for _ in range(num_layers)], top_k=top_k, meta={"source": "uniform"})
 
     @classmethod
+    def uniform_for(cls, config) -> Popularity:
+        """Uniform over the routed experts; shared-expert slots (run by every token) the most popular:
+        each routed expert gets a share top_k / num_experts of a layer's tokens, each shared slot 1."""
+        E, S, K = config.num_experts, config.shared_slots, config.top_k
+        row = [1.0] * E + [E / K] * S
+        return cls([list(row) for _ in range(config.num_moe_layers)], top_k=K + S,
+                   meta={"source": "uniform" + (" (shared experts first)" if S else "")})
+
+    @classmethod
     def for_config(cls, config, popularity=None) -> Popularity:
         """`popularity` (a Popularity, a path or None for uniform), shape-checked against `config`."""
         if popularity is None:
-            return cls.uniform(config.num_layers, config.num_experts, config.top_k)
-        pop = popularity if isinstance(popularity, Popularity) else cls.load(popularity, top_k=config.top_k)
+            return cls.uniform_for(config)
+        pop = popularity if isinstance(popularity, Popularity) else cls.load(popularity, top_k=config.active_slots)
         pop.check_shape(config)
         return pop
 
@@ -138,8 +147,17 @@ class PopularityRecorder:
         self.tokens = 0  # tokens seen by layer 0 (each token passes every layer once)
 
     @classmethod
+    def uniform_for(cls, config) -> Popularity:
+        """Uniform over the routed experts; shared-expert slots (run by every token) the most popular:
+        each routed expert gets a share top_k / num_experts of a layer's tokens, each shared slot 1."""
+        E, S, K = config.num_experts, config.shared_slots, config.top_k
+        row = [1.0] * E + [E / K] * S
+        return cls([list(row) for _ in range(config.num_moe_layers)], top_k=K + S,
+                   meta={"source": "uniform" + (" (shared experts first)" if S else "")})
+
+    @classmethod
     def for_config(cls, config) -> PopularityRecorder:
-        return cls(config.num_layers, config.num_experts, config.top_k)
+        return cls(config.num_moe_layers, config.expert_slots, config.active_slots)
 
     def record(self, layer: int, topk_idx: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:

@@ -1,4 +1,4 @@
-"""Loading Mixtral safetensors checkpoints tensor by tensor.
+"""Loading MoE safetensors checkpoints (every family of fiddler.config.SUPPORTED) tensor by tensor.
 
 Experts are read one at a time into host memory (pinned when CUDA is present, so PCIe copies can be
 asynchronous); non-expert weights go to the compute device. Each tensor is read from the memory-mapped
@@ -36,13 +36,24 @@ class ExpertWeights:
 
 @dataclass
 class LayerWeights:
+    """One decoder layer's non-expert weights. GQA attention uses q, k, v, o (+ biases, q/k norms); MLA
+    uses the fields in `mla` and o. A MoE layer has `gate` (the router); a dense layer has `mlp`."""
+
     input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate: torch.Tensor  # router [num_experts, hidden]
+    gate: torch.Tensor | None  # router [num_experts, hidden]; None in a dense layer
+    qkv_bias: torch.Tensor | None = None  # [q; k; v] biases (Qwen2-MoE)
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # Qwen3 (per head) / OLMoE (full width)
+    k_norm: torch.Tensor | None = None
+    mla: dict[str, torch.Tensor] | None = None  # q_proj | q_a_proj, q_a_norm, q_b_proj; kv_a_proj, kv_a_norm, kv_b_proj
+    score_bias: torch.Tensor | None = None  # DeepSeek-V3 e_score_correction_bias [num_experts]
+    shared_gate: torch.Tensor | None = None  # Qwen2-MoE shared_expert_gate [1, hidden]
+    mlp: ExpertWeights | None = None  # a dense layer's MLP (gate, up, down)
 
 
 @dataclass
@@ -51,7 +62,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor
     lm_head: torch.Tensor  # the same tensor as embed when tied
-    experts: list[list[ExpertWeights]] = field(default_factory=list)  # [layer][expert], host memory
+    experts: list[list[ExpertWeights]] = field(default_factory=list)  # [moe layer][slot], host memory
 
 
 class _Checkpoint:
@@ -123,11 +134,12 @@ def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device, pin: bool 
 def load_expert(ck: _Checkpoint, cfg: MoEConfig, layer: int, e: int, dtype: torch.dtype, pin: bool) -> ExpertWeights:
     h, f = cfg.hidden_size, cfg.intermediate_size
     cpu = torch.device("cpu")
-    p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
-    if f"{p}.w1.weight" in ck:  # original Hub layout
-        w1 = _place(ck.get(f"{p}.w1.weight", (f, h)), dtype, cpu, pin)
-        w3 = _place(ck.get(f"{p}.w3.weight", (f, h)), dtype, cpu, pin)
-        w2 = _place(ck.get(f"{p}.w2.weight", (h, f)), dtype, cpu, pin)
+    n1, n3, n2 = cfg.expert_names
+    p = f"model.layers.{layer}.{cfg.moe_block}.experts.{e}"
+    if f"{p}.{n1}.weight" in ck:  # original Hub layout
+        w1 = _place(ck.get(f"{p}.{n1}.weight", (f, h)), dtype, cpu, pin)
+        w3 = _place(ck.get(f"{p}.{n3}.weight", (f, h)), dtype, cpu, pin)
+        w2 = _place(ck.get(f"{p}.{n2}.weight", (h, f)), dtype, cpu, pin)
         return ExpertWeights(w1, w3, w2)
     # transformers >= 5 in-memory layout, in case a checkpoint was saved fused: gate_up_proj [E, 2F, H], down_proj [E, H, F]
     q = f"model.layers.{layer}.mlp.experts"
@@ -136,7 +148,35 @@ def load_expert(ck: _Checkpoint, cfg: MoEConfig, layer: int, e: int, dtype: torc
         w3 = _place(ck.get(f"{q}.gate_up_proj", (f, h), (e, slice(f, 2 * f))), dtype, cpu, pin)
         w2 = _place(ck.get(f"{q}.down_proj", (h, f), (e,)), dtype, cpu, pin)
         return ExpertWeights(w1, w3, w2)
-    raise CheckpointError(f"{ck.path}: no weights for layer {layer} expert {e} (looked for {p}.w1.weight)")
+    raise CheckpointError(f"{ck.path}: no weights for layer {layer} expert {e} (looked for {p}.{n1}.weight)")
+
+
+def _shared_prefix(cfg: MoEConfig, layer: int) -> str:
+    name = "shared_experts" if cfg.model_type.startswith("deepseek") else "shared_expert"
+    return f"model.layers.{layer}.{cfg.moe_block}.{name}"
+
+
+def load_shared_slots(ck: _Checkpoint, cfg: MoEConfig, layer: int, dtype: torch.dtype, pin: bool) -> list[ExpertWeights]:
+    """The shared expert(s) of a MoE layer as `cfg.shared_slots` experts of the routed shape: rows of gate/up
+    and columns of down split along the intermediate dimension (the last chunk zero-padded), so that the
+    sum of the chunks' outputs is the shared expert's output."""
+    h, f, fs = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
+    p = _shared_prefix(cfg, layer)
+    g = ck.get(f"{p}.gate_proj.weight", (fs, h))
+    u = ck.get(f"{p}.up_proj.weight", (fs, h))
+    d = ck.get(f"{p}.down_proj.weight", (h, fs))
+    cpu = torch.device("cpu")
+    out = []
+    for j in range(cfg.shared_slots):
+        lo, hi = j * f, min((j + 1) * f, fs)
+        w1, w3, w2 = g[lo:hi], u[lo:hi], d[:, lo:hi]
+        if hi - lo < f:  # zero rows/columns contribute exactly nothing: silu(0) * 0 = 0
+            pad = f - (hi - lo)
+            w1 = torch.cat([w1, w1.new_zeros(pad, h)])
+            w3 = torch.cat([w3, w3.new_zeros(pad, h)])
+            w2 = torch.cat([w2, w2.new_zeros(h, pad)], dim=1)
+        out.append(ExpertWeights(*(_place(w, dtype, cpu, pin) for w in (w1, w3, w2))))
+    return out
 
 
 def load_weights(
@@ -146,36 +186,75 @@ def load_weights(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     pin_experts: bool | None = None,
+    layer_devices: list[torch.device] | None = None,
 ) -> ModelWeights:
-    """Load a Mixtral checkpoint: non-expert weights on `device`, experts in host memory."""
+    """Load a checkpoint: non-expert weights on `device` (layer i's on layer_devices[i] when given: dense
+    parts that do not fit the GPU stay on the CPU), experts in host memory as [moe layer][slot]."""
     path, device = Path(path), torch.device(device)
     if pin_experts is None:
         pin_experts = torch.cuda.is_available()
     ck = _Checkpoint(path)
     h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
 
-    def get(name, shape):
-        return _place(ck.get(name, shape), dtype, device)
+    def get(name, shape, dev=device, dt=dtype):
+        return _place(ck.get(name, shape), dt, dev)
 
     embed = get("model.embed_tokens.weight", (v, h))
     layers, experts = [], []
     for i in range(cfg.num_layers):
+        dev = layer_devices[i] if layer_devices is not None else device
         p = f"model.layers.{i}"
-        gate_name = f"{p}.block_sparse_moe.gate.weight"
-        if gate_name not in ck and f"{p}.mlp.gate.weight" in ck:
-            gate_name = f"{p}.mlp.gate.weight"
-        layers.append(
-            LayerWeights(
-                input_norm=get(f"{p}.input_layernorm.weight", (h,)),
-                q=get(f"{p}.self_attn.q_proj.weight", (cfg.num_heads * d, h)),
-                k=get(f"{p}.self_attn.k_proj.weight", (cfg.num_kv_heads * d, h)),
-                v=get(f"{p}.self_attn.v_proj.weight", (cfg.num_kv_heads * d, h)),
-                o=get(f"{p}.self_attn.o_proj.weight", (h, cfg.num_heads * d)),
-                post_norm=get(f"{p}.post_attention_layernorm.weight", (h,)),
-                gate=get(gate_name, (cfg.num_experts, h)),
-            )
-        )
-        experts.append([load_expert(ck, cfg, i, e, dtype, pin_experts) for e in range(cfg.num_experts)])
+        a = f"{p}.self_attn"
+        lw = LayerWeights(input_norm=get(f"{p}.input_layernorm.weight", (h,), dev), q=None, k=None, v=None,
+                          o=None, post_norm=get(f"{p}.post_attention_layernorm.weight", (h,), dev), gate=None)
+        if cfg.attention == "mla":
+            nh, dqk = cfg.num_heads, cfg.qk_head_dim
+            r, kvr = cfg.q_lora_rank, cfg.kv_lora_rank
+            m = {}
+            if r:
+                m["q_a_proj"] = get(f"{a}.q_a_proj.weight", (r, h), dev)
+                m["q_a_norm"] = get(f"{a}.q_a_layernorm.weight", (r,), dev)
+                m["q_b_proj"] = get(f"{a}.q_b_proj.weight", (nh * dqk, r), dev)
+            else:
+                m["q_proj"] = get(f"{a}.q_proj.weight", (nh * dqk, h), dev)
+            m["kv_a_proj"] = get(f"{a}.kv_a_proj_with_mqa.weight", (kvr + cfg.qk_rope_head_dim, h), dev)
+            m["kv_a_norm"] = get(f"{a}.kv_a_layernorm.weight", (kvr,), dev)
+            m["kv_b_proj"] = get(f"{a}.kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), kvr), dev)
+            lw.mla = m
+            lw.o = get(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), dev)
+        else:
+            nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+            lw.q = get(f"{a}.q_proj.weight", (nq, h), dev)
+            lw.k = get(f"{a}.k_proj.weight", (nkv, h), dev)
+            lw.v = get(f"{a}.v_proj.weight", (nkv, h), dev)
+            lw.o = get(f"{a}.o_proj.weight", (h, nq), dev)
+            if cfg.qkv_bias:
+                lw.qkv_bias = torch.cat([get(f"{a}.{x}_proj.bias", (n,), dev) for x, n in (("q", nq), ("k", nkv), ("v", nkv))])
+            if cfg.o_bias:
+                lw.o_bias = get(f"{a}.o_proj.bias", (h,), dev)
+            if cfg.qk_norm:
+                width = {"head": (d, d), "full": (nq, nkv)}[cfg.qk_norm]
+                lw.q_norm = get(f"{a}.q_norm.weight", (width[0],), dev)
+                lw.k_norm = get(f"{a}.k_norm.weight", (width[1],), dev)
+        if cfg.is_dense_layer(i):
+            fd = cfg.dense_intermediate_size
+            lw.mlp = ExpertWeights(get(f"{p}.mlp.gate_proj.weight", (fd, h), dev),
+                                   get(f"{p}.mlp.up_proj.weight", (fd, h), dev),
+                                   get(f"{p}.mlp.down_proj.weight", (h, fd), dev))
+        else:
+            gate_name = f"{p}.{cfg.moe_block}.gate.weight"
+            if gate_name not in ck and f"{p}.mlp.gate.weight" in ck:
+                gate_name = f"{p}.mlp.gate.weight"
+            # DeepSeek's router runs in fp32 (transformers keeps its weight in fp32 too)
+            lw.gate = get(gate_name, (cfg.num_experts, h), dev, torch.float32 if cfg.router_fp32 else dtype)
+            if cfg.topk_method == "noaux_tc":
+                lw.score_bias = get(f"{p}.{cfg.moe_block}.gate.e_score_correction_bias", (cfg.num_experts,), dev,
+                                    torch.float32)
+            if cfg.shared_expert_gate:
+                lw.shared_gate = get(f"{p}.{cfg.moe_block}.shared_expert_gate.weight", (1, h), dev)
+            experts.append([load_expert(ck, cfg, i, e, dtype, pin_experts) for e in range(cfg.num_experts)]
+                           + (load_shared_slots(ck, cfg, i, dtype, pin_experts) if cfg.shared_slots else []))
+        layers.append(lw)
     norm = get("model.norm.weight", (h,))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ck:
         lm_head = embed

@@ -50,6 +50,6 @@ def decode_bound(model_path: str, dtype: str, input_len: int, output_len: int, b
         "limit_strategies": limit["strategies"],
         "bound_tok_s": bound,
         "fraction": {k: (v / bound if v else None) for k, v in decode_tok_s.items()},
-        "experts_per_layer": experts_per_layer if experts_per_layer is not None else min(cfg.top_k * beam_width,
-                                                                                         cfg.num_experts),
+        "experts_per_layer": experts_per_layer if experts_per_layer is not None else
+        min(cfg.top_k * beam_width, cfg.num_experts) + cfg.shared_slots,
     }

@@ -25,10 +25,13 @@ CONF_DIR = records.PROJECT_ROOT / "conf"
 
 
 def model_config(arch: dict[str, Any]):
-    """fiddler.config.MoEConfig from a model's `arch` (Hugging Face config fields)."""
-    from fiddler.config import MoEConfig
+    """fiddler.config.MoEConfig from a model's `arch` (Hugging Face config fields; `model_type` picks the
+    family, default mixtral)."""
+    from fiddler.config import SUPPORTED, MoEConfig
 
-    cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], **arch}
+    model_type = arch.get("model_type") or "mixtral"
+    archs = SUPPORTED.get(model_type, ("?",))
+    cfg = {"model_type": model_type, "architectures": [archs[0]], **arch}
     return MoEConfig.from_dict(cfg)
 
 
@@ -102,12 +105,12 @@ class SimSetup:
             self.routing = TraceRouting(trace, speculative_recall=sim["speculative_recall"], seed=sim["seed"])
         else:
             if routing == "profile":
-                pop = Popularity.load(sim["profile"], top_k=self.config.top_k) if sim.get("profile") else reference
+                pop = Popularity.load(sim["profile"], top_k=self.config.active_slots) if sim.get("profile") else reference
             else:
                 pop = None
             pop = Popularity.for_config(self.config, pop)  # None: uniform
             self.routing = ProfileRouting(pop, reuse=sim["reuse"], speculative_recall=sim["speculative_recall"],
-                                          seed=sim["seed"])
+                                          seed=sim["seed"], always=self.config.shared_slots)
         self.ctx = SimContext(self.config, self.dtype, self.hw, budget,
                               max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
                               max_batch=max(p["beam_width"] for p in job.points), seed=int(sim["seed"]),

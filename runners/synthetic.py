@@ -1,9 +1,11 @@
-"""Deterministic, offline generator of random-weight Mixtral checkpoints.
+"""Deterministic, offline generator of random-weight MoE checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE,
+OLMoE, DeepSeek-V2/V3; `arch["model_type"]` picks the family, default mixtral).
 
 No model hub is reachable, so every component (engine numerics tests, GGUF conversion,
-benchmarks) loads models made here. A model is a Hugging Face Mixtral directory in the
-ORIGINAL Hub key format (per-expert ``block_sparse_moe.experts.{e}.w{1,2,3}``), because
-llama.cpp's converter and the Fiddler engine read experts one by one by those names.
+benchmarks) loads models made here. A model is a Hugging Face directory in the family's
+ORIGINAL Hub key format (per-expert ``block_sparse_moe.experts.{e}.w{1,2,3}`` for Mixtral,
+``mlp.experts.{e}.{gate,up,down}_proj`` for the others), because llama.cpp's converter and the
+Fiddler engine read experts one by one by those names.
 
 Design choices:
 - each tensor gets its own seed derived from (generator version, seed, tensor name), so a
@@ -57,6 +59,37 @@ MIXTRAL_DEFAULTS: dict = {
     "tie_word_embeddings": False,
 }
 
+_COMMON = {k: MIXTRAL_DEFAULTS[k] for k in (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts_per_tok",
+    "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")}
+# Other families: the keys a caller may set and their defaults (the HF config classes' names; shapes of a
+# small model, the routing choices of the real ones). "model_type" selects the family.
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "qwen3_moe": {**_COMMON, "model_type": "qwen3_moe", "intermediate_size": 1024, "moe_intermediate_size": 256,
+                  "num_experts": 16, "norm_topk_prob": True, "head_dim": None, "rope_theta": 1e6,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6},
+    "qwen2_moe": {**_COMMON, "model_type": "qwen2_moe", "intermediate_size": 1024, "moe_intermediate_size": 256,
+                  "shared_expert_intermediate_size": 1024, "num_experts": 16, "norm_topk_prob": False,
+                  "rope_theta": 1e6, "qkv_bias": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "rms_norm_eps": 1e-6},
+    "olmoe": {**_COMMON, "model_type": "olmoe", "intermediate_size": 256, "num_experts": 16,
+              "norm_topk_prob": False, "rope_theta": 10000.0, "clip_qkv": None},
+    "deepseek_v2": {**_COMMON, "model_type": "deepseek_v2", "intermediate_size": 1024, "moe_intermediate_size": 256,
+                    "n_routed_experts": 16, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                    "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                    "routed_scaling_factor": 1.0, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16, "rope_theta": 10000.0, "rope_scaling": None,
+                    "rms_norm_eps": 1e-6},
+    "deepseek_v3": {**_COMMON, "model_type": "deepseek_v3", "intermediate_size": 1024, "moe_intermediate_size": 256,
+                    "n_routed_experts": 16, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
+                    "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "q_lora_rank": 96,
+                    "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                    "rope_theta": 10000.0, "rope_scaling": None, "rope_interleave": True, "rms_norm_eps": 1e-6},
+}
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
 _DTYPES = {
     "bfloat16": (torch.bfloat16, "BF16"),
     "float16": (torch.float16, "F16"),
@@ -75,9 +108,17 @@ EMBED_STD = 1.0
 # ----------------------------------------------------------------------------- arch
 
 
+def model_type_of(arch: dict | None) -> str:
+    return (arch or {}).get("model_type") or "mixtral"
+
+
 def resolve_arch(arch: dict | None) -> dict:
-    """Fill Mixtral defaults, reject unknown keys, and check shapes are consistent."""
+    """Fill the family's defaults, reject unknown keys, and check shapes are consistent."""
     arch = dict(arch or {})
+    mt = model_type_of(arch)
+    if mt != "mixtral":
+        return _resolve_family(arch, mt)
+    arch.pop("model_type", None)
     unknown = sorted(set(arch) - set(MIXTRAL_DEFAULTS))
     if unknown:
         raise ValueError(f"unknown Mixtral arch keys: {unknown}; allowed: {sorted(MIXTRAL_DEFAULTS)}")
@@ -106,6 +147,42 @@ def resolve_arch(arch: dict | None) -> dict:
     return out
 
 
+def _resolve_family(arch: dict, mt: str) -> dict:
+    if mt not in FAMILY_DEFAULTS:
+        raise ValueError(f"unknown model_type {mt!r}; known: {['mixtral', *FAMILY_DEFAULTS]}")
+    defaults = FAMILY_DEFAULTS[mt]
+    unknown = sorted(set(arch) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown {mt} arch keys: {unknown}; allowed: {sorted(defaults)}")
+    out = {**defaults, **arch}
+    if mt.startswith("deepseek") and "num_key_value_heads" not in arch:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # MLA: every head has its own key and value
+    for key, v in defaults.items():
+        if isinstance(v, bool):
+            out[key] = bool(out[key])
+        elif isinstance(v, int) and out[key] is not None:
+            out[key] = int(out[key])
+        elif isinstance(v, float):
+            out[key] = float(out[key])
+    if "mlp_only_layers" in out:
+        out["mlp_only_layers"] = [int(i) for i in out["mlp_only_layers"]]
+    if out.get("rope_scaling") is not None:
+        out["rope_scaling"] = dict(out["rope_scaling"])
+    if "head_dim" in out and out["head_dim"] is None:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["num_attention_heads"] % out["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if out["num_experts_per_tok"] > _num_experts(out):
+        raise ValueError("num_experts_per_tok cannot exceed the number of experts")
+    if out["vocab_size"] < 300:
+        raise ValueError("vocab_size must be >= 300 for a byte-fallback SentencePiece tokenizer")
+    return out
+
+
+def _num_experts(a: dict) -> int:
+    return a.get("num_local_experts") or a.get("num_experts") or a["n_routed_experts"]
+
+
 def arch_hash(arch: dict, seed: int, dtype: str, shard_size_mb: int) -> str:
     """Short hash naming a cache directory; the shard size is included because it changes the files."""
     key = {"arch": resolve_arch(arch), "seed": int(seed), "dtype": dtype,
@@ -129,8 +206,10 @@ class TensorSpec:
 
 
 def tensor_specs(arch: dict) -> list[TensorSpec]:
-    """Every checkpoint tensor in Mixtral Hub key names, in file order (layer by layer)."""
+    """Every checkpoint tensor in the family's Hub key names, in file order (layer by layer)."""
     a = resolve_arch(arch)
+    if model_type_of(a) != "mixtral":
+        return _family_specs(a)
     h, f, v = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
     q_dim = a["num_attention_heads"] * a["head_dim"]
     kv_dim = a["num_key_value_heads"] * a["head_dim"]
@@ -154,6 +233,79 @@ def tensor_specs(arch: dict) -> list[TensorSpec]:
                 TensorSpec(q + "w2.weight", (h, f), "normal", f**-0.5),
                 TensorSpec(q + "w3.weight", (f, h), "normal", h**-0.5),
             ]
+    specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
+    if not a["tie_word_embeddings"]:
+        specs.append(TensorSpec("lm_head.weight", (v, h), "normal", h**-0.5))
+    return specs
+
+
+def _swiglu(p: str, h: int, f: int) -> list[TensorSpec]:
+    return [TensorSpec(p + "gate_proj.weight", (f, h), "normal", h**-0.5),
+            TensorSpec(p + "up_proj.weight", (f, h), "normal", h**-0.5),
+            TensorSpec(p + "down_proj.weight", (h, f), "normal", f**-0.5)]
+
+
+def _family_specs(a: dict) -> list[TensorSpec]:
+    """Tensors of a Qwen3-MoE, Qwen2-MoE, OLMoE or DeepSeek-V2/V3 checkpoint, in Hub key names."""
+    mt = a["model_type"]
+    h, v, nh, nkv = a["hidden_size"], a["vocab_size"], a["num_attention_heads"], a["num_key_value_heads"]
+    E = _num_experts(a)
+    L = a["num_hidden_layers"]
+    ds = mt.startswith("deepseek")
+    if ds:
+        dense = set(range(min(a["first_k_dense_replace"], L)))
+    elif mt == "olmoe":
+        dense = set()
+    else:
+        step = a["decoder_sparse_step"]
+        dense = {i for i in range(L) if i in set(a["mlp_only_layers"]) or (i + 1) % step}
+    f_exp = a["intermediate_size"] if mt == "olmoe" else a["moe_intermediate_size"]
+    specs = [TensorSpec("model.embed_tokens.weight", (v, h), "normal", EMBED_STD)]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        at = p + "self_attn."
+        specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "norm"))
+        if ds:
+            dn, dr, dv, r, kvr = (a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"], a["q_lora_rank"],
+                                  a["kv_lora_rank"])
+            if r:
+                specs += [TensorSpec(at + "q_a_proj.weight", (r, h), "normal", h**-0.5),
+                          TensorSpec(at + "q_a_layernorm.weight", (r,), "norm"),
+                          TensorSpec(at + "q_b_proj.weight", (nh * (dn + dr), r), "normal", r**-0.5)]
+            else:
+                specs.append(TensorSpec(at + "q_proj.weight", (nh * (dn + dr), h), "normal", h**-0.5))
+            specs += [TensorSpec(at + "kv_a_proj_with_mqa.weight", (kvr + dr, h), "normal", h**-0.5),
+                      TensorSpec(at + "kv_a_layernorm.weight", (kvr,), "norm"),
+                      TensorSpec(at + "kv_b_proj.weight", (nh * (dn + dv), kvr), "normal", kvr**-0.5),
+                      TensorSpec(at + "o_proj.weight", (h, nh * dv), "normal", (nh * dv)**-0.5)]
+        else:
+            d = a.get("head_dim") or h // nh
+            specs += [TensorSpec(at + "q_proj.weight", (nh * d, h), "normal", h**-0.5),
+                      TensorSpec(at + "k_proj.weight", (nkv * d, h), "normal", h**-0.5),
+                      TensorSpec(at + "v_proj.weight", (nkv * d, h), "normal", h**-0.5)]
+            if a.get("qkv_bias"):
+                specs += [TensorSpec(at + f"{x}_proj.bias", (n,), "normal", 0.1)
+                          for x, n in (("q", nh * d), ("k", nkv * d), ("v", nkv * d))]
+            specs.append(TensorSpec(at + "o_proj.weight", (h, nh * d), "normal", (nh * d)**-0.5))
+            if mt == "qwen3_moe":
+                specs += [TensorSpec(at + "q_norm.weight", (d,), "norm"), TensorSpec(at + "k_norm.weight", (d,), "norm")]
+            elif mt == "olmoe":
+                specs += [TensorSpec(at + "q_norm.weight", (nh * d,), "norm"),
+                          TensorSpec(at + "k_norm.weight", (nkv * d,), "norm")]
+        specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "norm"))
+        if i in dense:
+            specs += _swiglu(p + "mlp.", h, a["intermediate_size"])
+            continue
+        specs.append(TensorSpec(p + "mlp.gate.weight", (E, h), "normal", ROUTER_STD * h**-0.5))
+        if mt == "deepseek_v3":
+            specs.append(TensorSpec(p + "mlp.gate.e_score_correction_bias", (E,), "normal", 0.1))
+        for e in range(E):
+            specs += _swiglu(f"{p}mlp.experts.{e}.", h, f_exp)
+        if mt == "qwen2_moe" and a["shared_expert_intermediate_size"]:
+            specs += _swiglu(p + "mlp.shared_expert.", h, a["shared_expert_intermediate_size"])
+            specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, h), "normal", h**-0.5))
+        if ds and a["n_shared_experts"]:
+            specs += _swiglu(p + "mlp.shared_experts.", h, a["n_shared_experts"] * f_exp)
     specs.append(TensorSpec("model.norm.weight", (h,), "norm"))
     if not a["tie_word_embeddings"]:
         specs.append(TensorSpec("lm_head.weight", (v, h), "normal", h**-0.5))
@@ -392,19 +544,45 @@ def _tokenizer_files(out_dir: pathlib.Path, tok_model: pathlib.Path, max_len: in
 # ----------------------------------------------------------------------------- config
 
 
-def _config_files(out_dir: pathlib.Path, arch: dict, dtype: str) -> None:
-    from transformers import GenerationConfig, MixtralConfig
+def config_dict(arch: dict, dtype: str = "bfloat16") -> dict:
+    """The config.json a generated checkpoint of `arch` has (transformers' config class, saved, plus the
+    Hub's flat keys); also what mode=simulate and the byte counts read for architecture-only models."""
+    from transformers import AutoConfig, MixtralConfig
 
     a = resolve_arch(arch)
-    cfg = MixtralConfig(**a, bos_token_id=1, eos_token_id=2, dtype=dtype, sliding_window=None)
-    cfg.save_pretrained(out_dir)
+    mt = model_type_of(a)
+    if mt == "mixtral":
+        cfg = MixtralConfig(**a, bos_token_id=1, eos_token_id=2, dtype=dtype, sliding_window=None)
+    else:
+        kw = {k: v for k, v in a.items() if k not in ("model_type", "rope_theta", "rope_scaling")}
+        rope = {"rope_type": "default", "rope_theta": a["rope_theta"]}
+        if a.get("rope_scaling"):
+            rope = {**a["rope_scaling"], "rope_theta": a["rope_theta"]}
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "yarn"))
+        cfg = AutoConfig.for_model(mt, **kw, rope_parameters=rope, bos_token_id=1, eos_token_id=2, dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:  # exactly what save_pretrained writes
+        cfg.save_pretrained(tmp)
+        data = json.loads((pathlib.Path(tmp) / "config.json").read_text())
     # transformers 5 stores rope_theta under rope_parameters; older readers (and some
     # versions of llama.cpp's converter) look for the flat key, and torch_dtype for the dtype.
-    data = json.loads((out_dir / "config.json").read_text())
     data.setdefault("rope_theta", a["rope_theta"])
     data.setdefault("torch_dtype", dtype)
     # llama.cpp's converter picks its model class from `architectures` (Hub configs have it).
-    data.setdefault("architectures", ["MixtralForCausalLM"])
+    data["architectures"] = data.get("architectures") or [_ARCHITECTURES[mt]]
+    # transformers 5 saves the expert count under its internal name; Hub configs (and llama.cpp) use these
+    hub_key = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts", "olmoe": "num_experts",
+               "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}.get(mt)
+    if hub_key and "num_local_experts" in data:
+        data[hub_key] = data.pop("num_local_experts")
+    if a.get("rope_scaling"):  # Hub configs (and llama.cpp's converter) read the flat rope_scaling dict
+        data.setdefault("rope_scaling", {**a["rope_scaling"], "type": a["rope_scaling"].get("type", "yarn")})
+    return data
+
+
+def _config_files(out_dir: pathlib.Path, arch: dict, dtype: str) -> None:
+    from transformers import GenerationConfig
+
+    data = config_dict(arch, dtype)
     (out_dir / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out_dir)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fiddler.config import MoEConfig
-from fiddler.placement import COPY_BUFFERS, activation_bytes, parse_placement, place, reservation
+from fiddler.placement import (COPY_BUFFERS, activation_bytes, dense_placement, layer_dense_bytes, parse_placement,
+                               place, reservation)
 from fiddler.popularity import Popularity
 
 REF = Path(__file__).resolve().parents[1] / "results/reference/mixtral-8x7b/expert-popularity"
@@ -31,12 +32,29 @@ def test_reservation_components():
     assert r["activations"] < r["expert_copy_buffers"]
 
 
-def test_budget_below_reservation_raises_with_numbers():
+def test_budget_below_reservation_moves_dense_layers_to_cpu_then_raises_with_numbers():
     need = sum(reservation(MIXTRAL, BF16, 512, 1).values())
-    with pytest.raises(ValueError, match=rf"GPU budget {need - 1} B .*reservation {need} B.*non_expert_weights"):
-        place(MIXTRAL, BF16, need - 1, max_seq_len=512, max_batch=1)
     pl = place(MIXTRAL, BF16, need, max_seq_len=512, max_batch=1)
-    assert pl.num_resident == 0 and pl.gpu_bytes == need
+    assert pl.num_resident == 0 and pl.gpu_bytes == need and pl.gpu_layers is None
+    assert pl.to_dict()["dense_cpu_layers"] == []
+    # one byte short: the first layer's dense part (and its KV cache) goes to the CPU, like llama.cpp -ngl 31
+    pl = place(MIXTRAL, BF16, need - 1, max_seq_len=512, max_batch=1)
+    assert pl.to_dict()["dense_cpu_layers"] == [0] and pl.gpu_bytes <= need - 1
+    per_layer = layer_dense_bytes(MIXTRAL, BF16, 512, 1)
+    assert pl.gpu_bytes == need - per_layer[0]
+    # below the part that always stays on the GPU (embeddings/lm_head, copy buffers, activations): an error
+    fixed = sum(reservation(MIXTRAL, BF16, 512, 1, gpu_layers=[False] * 32).values())
+    with pytest.raises(ValueError, match=rf"GPU budget {fixed - 1} B .*every layer's dense part on the CPU: {fixed} B"):
+        place(MIXTRAL, BF16, fixed - 1, max_seq_len=512, max_batch=1)
+    assert place(MIXTRAL, BF16, fixed, max_seq_len=512, max_batch=1).gpu_layers == (False,) * 32
+
+
+def test_dense_placement_keeps_the_last_layers_like_ngl():
+    per_layer = layer_dense_bytes(MIXTRAL, BF16, 512, 1)
+    fixed = sum(reservation(MIXTRAL, BF16, 512, 1, gpu_layers=[False] * 32).values())
+    dp = dense_placement(MIXTRAL, BF16, fixed + 5 * per_layer[0] + 7, max_seq_len=512, max_batch=1)
+    assert dp.gpu_layers == (False,) * 27 + (True,) * 5 and dp.cpu_layers == list(range(27))
+    assert dense_placement(MIXTRAL, BF16, None, max_seq_len=512, max_batch=1).all_on_gpu
 
 
 @pytest.mark.parametrize("gib", [12, 24, 48, 80])

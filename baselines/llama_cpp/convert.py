@@ -211,10 +211,29 @@ def _first_error_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+#: families whose converter class reads a BPE tokenizer.json; with only a SentencePiece tokenizer.model
+#: (the generated checkpoints) their vocabulary goes through the converter's SentencePiece path (spm_convert.py)
+SPM_FORCED_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+
+
+def needs_spm_vocab(model_dir: Path) -> bool:
+    """A SentencePiece-only checkpoint of a family whose converter class expects a BPE tokenizer.json."""
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (model_type in SPM_FORCED_TYPES and (Path(model_dir) / "tokenizer.model").is_file()
+            and not (Path(model_dir) / "tokenizer.json").is_file())
+
+
 def run_converter(model_dir: Path, out: Path, outtype: str, converter: Path) -> None:
-    """Run llama.cpp's converter in a subprocess (own memory, own imports of the vendored gguf-py)."""
-    cmd = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(model_dir),
-           "--outfile", str(out), "--outtype", outtype]
+    """Run llama.cpp's converter in a subprocess (own memory, own imports of the vendored gguf-py); through
+    spm_convert.py where the vocabulary must come from tokenizer.model (see needs_spm_vocab)."""
+    args = [str(model_dir), "--outfile", str(out), "--outtype", outtype]
+    if needs_spm_vocab(model_dir):
+        cmd = [sys.executable, str(Path(__file__).with_name("spm_convert.py")), str(converter), *args]
+    else:
+        cmd = [sys.executable, str(converter / "convert_hf_to_gguf.py"), *args]
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)

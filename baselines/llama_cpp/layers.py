@@ -54,14 +54,17 @@ def _bytes_per_weight(quant: str) -> float:
         raise ValueError(f"unknown GGUF type {quant!r}; known: {', '.join(BITS_PER_WEIGHT)}") from None
 
 
-def layer_parts(config, quant: str = "bf16", n_ctx: int = 4096, kv_cache_type: str = "f16") -> dict[str, int]:
-    """Bytes of one decoder layer on the GPU: `experts` (its expert FFNs), `rest` (attention, router,
-    norms, its KV cache of n_ctx cells), and of the `output` layer (final norm + lm_head).
-    `config` is a fiddler.config.MoEConfig (or anything with its fields)."""
+def layer_parts(config, quant: str = "bf16", n_ctx: int = 4096, kv_cache_type: str = "f16",
+                layer: int | None = None) -> dict[str, int]:
+    """Bytes of one decoder layer on the GPU (default: a MoE layer): `experts` (its expert FFNs, shared
+    experts included; 0 for a dense layer), `rest` (attention, router, norms or a dense layer's MLP, its KV
+    cache of n_ctx cells: K and V, or MLA's latent and rope key), and of the `output` layer (final norm +
+    lm_head). `config` is a fiddler.config.MoEConfig."""
     w = _bytes_per_weight(quant)
-    kv = 2 * config.num_kv_heads * config.head_dim * n_ctx * KV_BYTES[kv_cache_type]
-    return {"experts": int(config.num_experts * config.expert_params() * w),
-            "rest": int(config.layer_non_expert_params() * w + kv),
+    kv = config.kv_cache_row_elems() * n_ctx * KV_BYTES[kv_cache_type]
+    dense = layer is not None and config.is_dense_layer(layer)
+    return {"experts": 0 if dense else int(config.expert_slots * config.expert_params() * w),
+            "rest": int(config.layer_non_expert_params(layer) * w + kv),
             "output": int((config.vocab_size + 1) * config.hidden_size * w)}
 
 
@@ -69,12 +72,16 @@ def gpu_layers(config, budget_bytes: int, quant: str = "bf16", n_ctx: int = 4096
                overhead_bytes: int = OVERHEAD_BYTES) -> GpuLayers:
     """`-ngl` as large as fits (the paper's setup): whole layers from the last one down, then the output
     layer once every decoder layer is on. 0 when the budget does not cover the overhead."""
-    parts = layer_parts(config, quant, n_ctx, kv_cache_type)
-    per_layer = parts["experts"] + parts["rest"]
+    L = config.num_layers
+    sizes = [sum(layer_parts(config, quant, n_ctx, kv_cache_type, i)[k] for k in ("experts", "rest")) for i in range(L)]
+    output_bytes = layer_parts(config, quant, n_ctx, kv_cache_type)["output"]
     free = int(budget_bytes) - overhead_bytes
-    n = max(0, min(config.num_layers, free // per_layer)) if free > 0 else 0
-    output = n == config.num_layers and free - n * per_layer >= parts["output"]
-    used = overhead_bytes * (n > 0) + n * per_layer + parts["output"] * output
+    n, placed = 0, 0
+    while n < L and free > 0 and placed + sizes[L - 1 - n] <= free:  # the last layers first
+        placed += sizes[L - 1 - n]
+        n += 1
+    output = n == L and free - placed >= output_bytes
+    used = overhead_bytes * (n > 0) + placed + output_bytes * output
     return GpuLayers(n_gpu_layers=n + output, n_cpu_moe=0, gpu_layers=n, gpu_expert_layers=n,
                      output_on_gpu=output, gpu_bytes=used, budget_bytes=int(budget_bytes))
 
@@ -86,10 +93,18 @@ def cpu_moe_layers(config, budget_bytes: int, quant: str = "bf16", n_ctx: int = 
     When even N = n_layers does not fit, falls back to :func:`gpu_layers`."""
     parts = layer_parts(config, quant, n_ctx, kv_cache_type)
     L = config.num_layers
-    base = overhead_bytes + L * parts["rest"] + parts["output"]
+    base = overhead_bytes + sum(layer_parts(config, quant, n_ctx, kv_cache_type, i)["rest"] for i in range(L)) \
+        + parts["output"]
     free = int(budget_bytes) - base
     if free < 0:
         return gpu_layers(config, budget_bytes, quant, n_ctx, kv_cache_type, overhead_bytes)
-    on_gpu = min(L, free // parts["experts"])
+    # expert FFNs of the last layers first (--n-cpu-moe keeps the first N in host memory); dense layers have none
+    on_gpu, used_e = 0, 0
+    while on_gpu < L:
+        e = layer_parts(config, quant, n_ctx, kv_cache_type, L - 1 - on_gpu)["experts"]
+        if used_e + e > free:
+            break
+        used_e += e
+        on_gpu += 1
     return GpuLayers(n_gpu_layers=L + 1, n_cpu_moe=L - on_gpu, gpu_layers=L, gpu_expert_layers=on_gpu,
-                     output_on_gpu=True, gpu_bytes=base + on_gpu * parts["experts"], budget_bytes=int(budget_bytes))
+                     output_on_gpu=True, gpu_bytes=base + used_e, budget_bytes=int(budget_bytes))

@@ -132,7 +132,7 @@ class LlamaCppSimPolicy(SimPolicy):
         L = c.num_layers
         costs = ctx.costs
         ids = routing.ids[layer]
-        counts = np.bincount(ids.ravel(), minlength=c.num_experts)
+        counts = np.bincount(ids.ravel(), minlength=c.expert_slots)
         attn_gpu, exp_gpu = self._attn_on_gpu(layer, L), self._experts_on_gpu(layer, L)
         prev_gpu = self._attn_on_gpu(layer - 1, L) if layer else False  # the embedding is in host memory
         kv_extra = costs.attention(step)[0] - costs.layer_bytes  # KV cache bytes of this step
@@ -148,7 +148,7 @@ class LlamaCppSimPolicy(SimPolicy):
             if exp_gpu != attn_gpu:
                 t = self._cross(clock, ctx, exp_gpu, rows, t)
             chunk_counts = counts if chunks == 1 else np.bincount(
-                ids[k * self.n_batch:k * self.n_batch + rows].ravel(), minlength=c.num_experts)
+                ids[k * self.n_batch:k * self.n_batch + rows].ravel(), minlength=c.expert_slots)
             for e in np.nonzero(chunk_counts)[0]:
                 n = int(chunk_counts[e])
                 t = self._matmul(clock, ctx, exp_gpu, self.expert_bytes, costs.expert_flops_per_token * n, rows, t)
@@ -163,6 +163,23 @@ class LlamaCppSimPolicy(SimPolicy):
         else:
             self.st["tokens"]["cpu"] += n_routed
         self._last_on_gpu = exp_gpu
+        return t
+
+    def dense_layer(self, clock, ctx: SimContext, step: Step, layer: int, ready: float) -> float:
+        """A dense layer (DeepSeek's first_k_dense_replace): attention and its MLP where -ngl put the layer
+        (prompt chunks not split: the weights of a host layer cross PCIe once per big batch)."""
+        L = ctx.config.num_layers
+        attn_gpu = self._attn_on_gpu(layer, L)
+        prev_gpu = self._attn_on_gpu(layer - 1, L) if layer else False
+        t = ready
+        if attn_gpu != prev_gpu and ctx.has_gpu:
+            t = self._cross(clock, ctx, attn_gpu, step.tokens, t)
+        nbytes, flops = ctx.costs.attention(step)
+        mlp_bytes, mlp_flops = ctx.costs.dense_mlp(step)
+        kv_extra = nbytes - ctx.costs.layer_bytes
+        weights = self.layer_bytes + mlp_bytes / ctx.dtype.itemsize * self.bpw
+        t = self._matmul(clock, ctx, attn_gpu, weights + kv_extra, flops + mlp_flops, step.tokens, t)
+        self._last_on_gpu = attn_gpu
         return t
 
     def head(self, clock, ctx: SimContext, step: Step, ready: float) -> float:

@@ -161,6 +161,13 @@ class OffloadingExecutor(ExpertExecutor):
                  cache_size_source: str, prefetch: bool = True, prefetch_k: int | None = None,
                  prefetch_input: str = "residual", codec=None, cache_size_detail: dict | None = None,
                  quantize_attention: bool = False):
+        unsupported = ([f"dense layers {list(config.dense_layers)}"] if config.dense_layers else []) + \
+            (["shared experts"] if config.shared_slots else []) + \
+            ([f"{config.scoring_func}/{config.topk_method} routing"]
+             if (config.scoring_func, config.topk_method) != ("softmax", "greedy") else [])
+        if unsupported:  # its prefetch guesses the next layer's experts with a plain softmax router
+            raise ValueError(f"mixtral_offloading does not support {config.model_type}'s "
+                             f"{', '.join(unsupported)} (Mixtral-style MoE layers only)")
         L, E = config.num_layers, config.num_experts
         if len(experts) != L or any(len(layer) != E for layer in experts):
             raise ValueError(f"experts must be [{L} layers][{E} experts], got "

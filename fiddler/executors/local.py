@@ -66,7 +66,7 @@ class LocalExperts(ExpertExecutor):
             self.stats.expert_tokens += K
             return out.to(x.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        groups = ExpertGroups(topk_idx, self.config.num_experts, layer)
+        groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
         for e in groups.active():
             tok, slot = groups.pairs(e)
             y = self._ffn(layer, e, x[tok].contiguous()).float() * topk_w[tok, slot].float()[:, None]

@@ -141,7 +141,7 @@ class FiddlerExecutor(ExpertExecutor):
         self.device = gpu.device
         self.cuda = gpu.is_cuda
         self.placement, self.threads = placement, threads
-        L, E = config.num_layers, config.num_experts
+        L, E = config.num_moe_layers, config.expert_slots
         if len(experts) != L or any(len(layer) != E for layer in experts):
             raise ValueError(f"experts must be [{L} layers][{E} experts], got "
                              f"[{len(experts)}][{sorted({len(layer) for layer in experts})}]")
@@ -180,7 +180,7 @@ class FiddlerExecutor(ExpertExecutor):
         kernel. The packed copy duplicates the weights, so host copies nobody needs are dropped: resident
         ones on CUDA, and all of them without a GPU (no kind b). With take_ownership the caller's list
         entries are cleared too, so the memory is freed expert by expert instead of doubling at peak."""
-        L, E, dtype, has_gpu = self.config.num_layers, self.config.num_experts, self.dtype, self.gpu.has_gpu
+        L, E, dtype, has_gpu = self.config.num_moe_layers, self.config.expert_slots, self.dtype, self.gpu.has_gpu
         self.host: list[list[ExpertWeights | None]] = [
             [ExpertWeights(*(w if w.dtype == dtype else w.to(dtype) for w in (e.w1, e.w3, e.w2))) for e in layer]
             for layer in experts]
@@ -207,7 +207,7 @@ class FiddlerExecutor(ExpertExecutor):
     # ------------------------------------------------------------------ bookkeeping
 
     def reset_stats(self) -> None:
-        self.stats = FiddlerStats(layers=[LayerStats() for _ in range(self.config.num_layers)])
+        self.stats = FiddlerStats(layers=[LayerStats() for _ in range(self.config.num_moe_layers)])
 
     def info(self) -> dict[str, Any]:
         k, th = self.kernel, self.threads
@@ -298,7 +298,7 @@ class FiddlerExecutor(ExpertExecutor):
             out = self._decode_row_on_cpu(layer, x, topk_idx, topk_w, t_start)
             if out is not None:
                 return out
-        groups = ExpertGroups(topk_idx, self.config.num_experts, layer)
+        groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
         plan: LayerPlan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
         combined = SlotOutputs(x, K)
 
@@ -352,7 +352,7 @@ class FiddlerExecutor(ExpertExecutor):
         them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
         between experts), with the same roundings as the general path. None: not this case."""
         ids = topk_idx[0].tolist()
-        E = self.config.num_experts
+        E = self.config.expert_slots
         counts = [0] * E
         for e in ids:
             if not 0 <= e < E:
@@ -399,7 +399,7 @@ class FiddlerExecutor(ExpertExecutor):
         th = self.threads
         counts = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s <= max(1, max_tokens)]
         # Probe expert: a non-resident one if any (it is pre-packed), else layer 0 expert 0.
-        pl, pe = next(((l, e) for l in range(self.config.num_layers) for e in range(self.config.num_experts)
+        pl, pe = next(((l, e) for l in range(self.config.num_moe_layers) for e in range(self.config.expert_slots)
                        if not self.placement.resident[l][e]), (0, 0))
         host_tmp = self.host[pl][pe] is None  # a resident expert whose host copy was dropped (CUDA)
         if host_tmp:

@@ -4,7 +4,11 @@ Decisions: `fiddler.placement.place` (popularity or random under the GPU budget,
 `fiddler.planner.get_planner` (paper or makespan) with the latency model the engine builds from a
 hardware spec (`LatencyModel.from_hardware_spec`). Execution mirrors fiddler/executors/orchestrator.py:
 
-- attention, norms and router of every layer on the GPU (no GPU: on the CPU);
+- attention, norms and router of every layer on the GPU (no GPU: on the CPU); where the dense parts do
+  not fit the budget (`Placement.gpu_layers`, fiddler.placement.dense_placement), the first layers' on
+  the CPU, with the residual stream crossing PCIe as the model moves it (to the CPU for the layer, back
+  to the GPU side for the executor, and the MoE output back to the CPU); dense layers' MLPs with their
+  layer's attention;
 - the CPU queue (kind c): the routed rows copied device -> host, the experts one after another on all
   CPU threads, the results copied back; concurrently (overlap=True) with
 - the GPU queue: resident experts (a), then copied-in experts (b) through the executor's two copy
@@ -62,6 +66,59 @@ class FiddlerSimPolicy(SimPolicy):
     def reset(self) -> None:
         layers = len(self.placement.resident) if hasattr(self, "placement") else 0
         self.st = FiddlerStats(layers=[LayerStats() for _ in range(layers)])
+        self._x_on_gpu = False
+
+    def _dense_on_gpu(self, ctx: SimContext, layer: int) -> bool:
+        g = getattr(self, "placement", None) and self.placement.gpu_layers
+        return ctx.has_gpu and (not g or g[layer])
+
+    def main_lane(self, clock: Clock, ctx: SimContext, layer: int | None = None):
+        if not ctx.has_gpu:
+            return clock.cpu
+        return clock.gpu if layer is None or self._dense_on_gpu(ctx, layer) else clock.cpu
+
+    def embed(self, clock: Clock, ctx: SimContext, step: Step, ready: float) -> float:
+        self._x_on_gpu = ctx.has_gpu  # the embeddings live on the GPU side
+        return self.run_dense(clock, ctx, self.main_lane(clock, ctx), step.tokens * ctx.costs.activation_row_bytes,
+                              0.0, ready)
+
+    def head(self, clock: Clock, ctx: SimContext, step: Step, ready: float) -> float:
+        t = self._move(clock, ctx, step.rows, True, ready) if ctx.has_gpu else ready
+        return self.run_dense(clock, ctx, self.main_lane(clock, ctx), *ctx.costs.head(step), t, launches=2)
+
+    def _move(self, clock: Clock, ctx: SimContext, rows: int, to_gpu: bool, ready: float) -> float:
+        """The residual stream to the GPU side or to the CPU, if it is not there yet."""
+        if self._x_on_gpu == to_gpu:
+            return ready
+        self._x_on_gpu = to_gpu
+        nbytes = rows * ctx.costs.activation_row_bytes
+        if to_gpu:
+            self.st.bytes_h2d_activations += nbytes
+            return clock.h2d.run(ready, ctx.hw.h2d(nbytes))
+        self.st.bytes_d2h_activations += nbytes
+        return clock.d2h.run(ready, ctx.hw.d2h(nbytes))
+
+    def _attention(self, clock: Clock, ctx: SimContext, step: Step, layer: int, ready: float,
+                   mlp: bool = False) -> float:
+        """A layer's attention block (+ a dense layer's MLP) where its dense part lives; returns when its
+        output is on the GPU side (where the executor takes it) -- or on the CPU without a GPU."""
+        nbytes, flops = ctx.costs.attention(step)
+        if mlp:
+            mb, mf = ctx.costs.dense_mlp(step)
+            nbytes, flops = nbytes + mb, flops + mf
+        if not ctx.has_gpu:
+            return clock.cpu.run(ready, ctx.hw.cpu(nbytes, flops))
+        if self._dense_on_gpu(ctx, layer):
+            t = self._move(clock, ctx, step.tokens, True, ready)
+            # no faster than the engine's per-layer host floor
+            return clock.gpu.run(t, max(ctx.hw.gpu(nbytes, flops, ATTENTION_LAUNCHES),
+                                        ctx.hw.eff.gpu.engine_layer_overhead_s))
+        t = self._move(clock, ctx, step.tokens, False, ready)
+        t = clock.cpu.run(t, ctx.hw.cpu(nbytes, flops))
+        return t if mlp else self._move(clock, ctx, step.tokens, True, t)  # the executor's input
+
+    def dense_layer(self, clock: Clock, ctx: SimContext, step: Step, layer: int, ready: float) -> float:
+        return self._attention(clock, ctx, step, layer, ready, mlp=True)
 
     def _plan(self, layer: int, counts: tuple):
         key = (layer, counts)
@@ -73,20 +130,18 @@ class FiddlerSimPolicy(SimPolicy):
     def layer(self, clock: Clock, ctx: SimContext, step: Step, layer: int, routing, ready: float) -> float:
         hw, costs = ctx.hw, ctx.costs
         ids = routing.ids[layer]
-        counts = tuple(np.bincount(ids.ravel(), minlength=ctx.config.num_experts).tolist())
+        decoder_layer, layer = layer, ctx.moe_index(layer)  # placement, plans and stats are per MoE layer
+        counts = tuple(np.bincount(ids.ravel(), minlength=ctx.config.expert_slots).tolist())
         plan = self._plan(layer, counts)
         eb, fpt = costs.expert_bytes, costs.expert_flops_per_token
-        nbytes, flops = costs.attention(step)
+        t_attn = self._attention(clock, ctx, step, decoder_layer, ready)
         if not ctx.has_gpu:
-            t = clock.cpu.run(ready, hw.cpu(nbytes, flops))
+            t = t_attn
             for e in plan.experts(CPU):
                 t = clock.cpu.run(t, hw.cpu(eb, fpt * counts[e]))
             self._account(layer, plan, ids.size)
             return t
 
-        # attention block on the GPU, no faster than the engine's per-layer host floor
-        t_attn = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES),
-                                          hw.eff.gpu.engine_layer_overhead_s))
         row = costs.activation_row_bytes
         cpu_experts = plan.experts(CPU)
         cpu_rows = sum(counts[e] for e in cpu_experts)
@@ -118,7 +173,10 @@ class FiddlerSimPolicy(SimPolicy):
         self.st.bytes_d2h_activations += cpu_rows * row
         self.st.bytes_h2d_activations += cpu_rows * row
         self._account(layer, plan, ids.size)
-        return max(g, c_done)
+        done = max(g, c_done)
+        if not self._dense_on_gpu(ctx, decoder_layer):  # the model moves the MoE output back to the CPU layer
+            done = self._move(clock, ctx, step.tokens, False, done)
+        return done
 
     def _account(self, layer: int, plan, routed: int) -> None:
         st, ls = self.st, self.st.layers[layer]

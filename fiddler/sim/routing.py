@@ -67,7 +67,9 @@ def _probs(pop: Popularity) -> np.ndarray:
 
 class ProfileRouting(Routing):
     def __init__(self, popularity: Popularity, *, reuse: float = DEFAULT_REUSE,
-                 speculative_recall: float = DEFAULT_RECALL, seed: int = 0):
+                 speculative_recall: float = DEFAULT_RECALL, seed: int = 0, always: int = 0):
+        """always: the last `always` experts of every layer are chosen by every token (shared-expert
+        slots, fiddler.config.MoEConfig.shared_slots), besides top_k - always drawn ones."""
         if not 0.0 <= reuse <= 1.0:
             raise ValueError(f"reuse must be in [0, 1], got {reuse}")
         if not 0.0 <= speculative_recall <= 1.0:
@@ -76,6 +78,9 @@ class ProfileRouting(Routing):
         self.num_layers, self.num_experts = popularity.shape
         self.top_k = popularity.top_k
         self.reuse, self.recall, self.seed = float(reuse), float(speculative_recall), int(seed)
+        if not 0 <= always < self.top_k:
+            raise ValueError(f"always ({always}) must be in [0, top_k={self.top_k})")
+        self.always = int(always)
         self._logp = np.log(_probs(popularity))
         self._p = _probs(popularity)
 
@@ -83,6 +88,8 @@ class ProfileRouting(Routing):
         """[L, K] experts of one token given the previous token's [L, K] (or None)."""
         L, E, K = self.num_layers, self.num_experts, self.top_k
         scores = self._logp + rng.gumbel(size=(L, E))
+        if self.always:
+            scores[:, E - self.always:] = np.inf
         if prev is not None and self.reuse > 0:
             keep = rng.random((L, K)) < self.reuse
             rows = np.repeat(np.arange(L), K).reshape(L, K)

@@ -4,7 +4,11 @@
 fiddler/generate.py: a prefill forward over the prompt (its end plus the lm_head is the first token),
 then output_len - 1 decode forwards of beam_width rows, the KV cache growing by one position per step.
 Each forward is embeddings, then per layer the policy's `layer` (attention with the KV cache, norms,
-router, the MoE block), then the final norm and lm_head of the last position of every row.
+router, the MoE block) or, for a dense layer (DeepSeek's first_k_dense_replace), its `dense_layer`
+(attention and the dense MLP), then the final norm and lm_head of the last position of every row.
+Routing is per MoE layer over the expert slots (routed experts, then the shared-expert chunks every
+token runs); a policy sees it indexed by decoder layer (`RoutingStep` view) and maps a decoder layer to
+its MoE layer with `SimContext.moe_index`.
 
 Sizes come from `fiddler.config.MoEConfig`'s own methods (expert_bytes, layer_non_expert_params,
 kv_cache_bytes), so model families and quantized experts added there flow in.
@@ -41,14 +45,15 @@ class ModelCosts:
         self.config, self.dtype = config, dtype
         s = dtype.itemsize
         self.itemsize = s
-        self.layer_params = config.layer_non_expert_params()
+        self.layer_params = config.layer_non_expert_params()  # a MoE layer's attention, norms, router
         self.layer_bytes = self.layer_params * s
         self.expert_bytes = int(config.expert_bytes(dtype))
         self.expert_flops_per_token = 2 * config.expert_params()
+        self.dense_mlp_params = 3 * config.hidden_size * config.dense_intermediate_size  # a dense layer's MLP
         self.kv_bytes_per_position = config.kv_cache_bytes(1, 1, dtype) / config.num_layers  # one layer, one row
-        # final norm + lm_head: what non_expert_bytes counts beyond the layers and the input embedding
+        # final norm + lm_head: the embedding parameters beyond the input embedding
         emb = config.vocab_size * config.hidden_size * s
-        self.head_bytes = config.non_expert_bytes(dtype) - config.num_layers * self.layer_bytes - emb
+        self.head_bytes = config.embedding_params() * s - emb
         if config.tie_word_embeddings:  # the lm_head matmul reads the embedding matrix
             self.head_bytes += emb
         self.head_params = self.head_bytes // s
@@ -64,9 +69,16 @@ class ModelCosts:
         else:
             attended = step.kv_len * step.tokens
             kv_read = self.kv_bytes_per_position * step.kv_len * step.rows
-        flops += 4 * attended * c.num_heads * c.head_dim
+        flops += 2 * attended * c.num_heads * (c.qk_head_dim + c.attn_v_dim)
+        if c.attention == "mla":  # keys and values expanded from the cached latents (kv_b_proj) every step
+            expanded = step.kv_len * step.rows
+            flops += 2 * expanded * c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
         kv_write = self.kv_bytes_per_position * step.tokens
         return self.layer_bytes + kv_read + kv_write, flops
+
+    def dense_mlp(self, step: Step) -> tuple[float, float]:
+        """(bytes, FLOPs) of a dense layer's MLP for `step`."""
+        return self.dense_mlp_params * self.itemsize, 2 * step.tokens * self.dense_mlp_params
 
     def head(self, step: Step) -> tuple[float, float]:
         return self.head_bytes, 2 * step.rows * self.head_params
@@ -88,6 +100,11 @@ class SimContext:
 
     def __post_init__(self):
         self.costs = ModelCosts(self.config, self.dtype)
+        self._moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
+
+    def moe_index(self, layer: int) -> int:
+        """The MoE layer (placement, routing, expert-slot grid) of decoder layer `layer`."""
+        return self._moe_index[layer]
 
     @property
     def has_gpu(self) -> bool:
@@ -115,6 +132,13 @@ class SimPolicy(abc.ABC):
 
     def main_lane(self, clock: Clock, ctx: SimContext, layer: int | None = None) -> Lane:
         return clock.gpu if ctx.has_gpu else clock.cpu
+
+    def dense_layer(self, clock: Clock, ctx: SimContext, step: Step, layer: int, ready: float) -> float:
+        """A dense layer (no experts): attention, norms and the dense MLP on the layer's main lane."""
+        nbytes, flops = ctx.costs.attention(step)
+        mb, mf = ctx.costs.dense_mlp(step)
+        return self.run_dense(clock, ctx, self.main_lane(clock, ctx, layer), nbytes + mb, flops + mf, ready,
+                              launches=2)
 
     def run_dense(self, clock: Clock, ctx: SimContext, lane: Lane, nbytes: float, flops: float, ready: float,
                   launches: int = 1) -> float:
@@ -153,10 +177,10 @@ def simulate(policy: SimPolicy, ctx: SimContext, routing: Routing, input_len: in
     if input_len < 1 or output_len < 1 or beam_width < 1:
         raise ValueError(f"input_len, output_len and beam_width must be >= 1, got {input_len}, {output_len}, "
                          f"{beam_width}")
-    if (routing.num_layers, routing.num_experts, routing.top_k) != \
-            (ctx.config.num_layers, ctx.config.num_experts, ctx.config.top_k):
+    c = ctx.config
+    if (routing.num_layers, routing.num_experts, routing.top_k) != (c.num_moe_layers, c.expert_slots, c.active_slots):
         raise ValueError(f"routing is {routing.num_layers} layers x {routing.num_experts} experts top-{routing.top_k}"
-                         f", the model {ctx.config.num_layers} x {ctx.config.num_experts} top-{ctx.config.top_k}")
+                         f", the model {c.num_moe_layers} x {c.expert_slots} top-{c.active_slots}")
     policy.reset()
     clock = Clock()
     t = 0.0
@@ -166,8 +190,12 @@ def simulate(policy: SimPolicy, ctx: SimContext, routing: Routing, input_len: in
         rows = 1 if r.prefill else beam_width
         step = Step(i, r.tokens, rows, input_len + (0 if r.prefill else i), r.prefill)
         t = policy.embed(clock, ctx, step, t)
-        for layer in range(ctx.config.num_layers):
-            t = policy.layer(clock, ctx, step, layer, r, t)
+        view = _by_decoder_layer(r, c) if c.dense_layers else r
+        for layer in range(c.num_layers):
+            if c.is_dense_layer(layer):
+                t = policy.dense_layer(clock, ctx, step, layer, t)
+            else:
+                t = policy.layer(clock, ctx, step, layer, view, t)
         t = policy.head(clock, ctx, step, t)
         t = max(t, *(lane.free_at for lane in clock.lanes()))  # the step's token is chosen when all work ended
         if r.prefill:
@@ -176,3 +204,26 @@ def simulate(policy: SimPolicy, ctx: SimContext, routing: Routing, input_len: in
     lat = list(np.diff(marks)) if len(marks) > 1 else []
     return SimResult(ttft_s=float(ttft), decode_s=float(t - ttft), tokens=output_len, stats=policy.stats(),
                      lanes_busy_s=clock.busy(), decode_latencies_s=[float(x) for x in lat])
+
+
+class _LayerIndexed:
+    """ids/guess of a RoutingStep indexed by decoder layer (None for a dense layer)."""
+
+    def __init__(self, arr: np.ndarray, moe_layers: list[int], num_layers: int):
+        self._rows: list = [None] * num_layers
+        for j, layer in enumerate(moe_layers):
+            self._rows[layer] = arr[j]
+        self.shape = arr.shape
+
+    def __getitem__(self, layer):
+        if isinstance(layer, tuple):
+            return self._rows[layer[0]][layer[1:]]
+        return self._rows[layer]
+
+
+def _by_decoder_layer(r, config: MoEConfig):
+    """The routing step as policies index it: by decoder layer."""
+    import dataclasses
+
+    return dataclasses.replace(r, ids=_LayerIndexed(r.ids, config.moe_layers, config.num_layers),
+                               guess=_LayerIndexed(r.guess, config.moe_layers, config.num_layers))

@@ -94,9 +94,20 @@ class MoEConfig:
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size
 
-    def expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """One expert's w1 + w3 + w2."""
-        return self.expert_params() * dtype.itemsize
+    def expert_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
+        """One expert's w1 + w3 + w2 (quant: llama.cpp blocks, fiddler.quant)."""
+        from .quant import weight_bytes
+
+        h, f = self.hidden_size, self.intermediate_size
+        return 2 * weight_bytes(f, h, quant, dtype) + weight_bytes(h, f, quant, dtype)
+
+    def attention_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
+        """q, k, v, o projections of one layer (quant: llama.cpp blocks, fiddler.quant)."""
+        from .quant import weight_bytes
+
+        h, d = self.hidden_size, self.head_dim
+        return (weight_bytes((self.num_heads + 2 * self.num_kv_heads) * d, h, quant, dtype)
+                + weight_bytes(h, self.num_heads * d, quant, dtype))
 
     def attention_params(self) -> int:
         """q, k, v, o projections of one layer."""
@@ -107,27 +118,31 @@ class MoEConfig:
         """Attention, router and the two RMSNorms of one layer."""
         return self.attention_params() + self.num_experts * self.hidden_size + 2 * self.hidden_size
 
-    def non_expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Everything but the experts: embeddings, per-layer attention/router/norms, final norm, lm_head."""
+    def non_expert_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
+        """Everything but the experts: embeddings, per-layer attention/router/norms, final norm, lm_head
+        (quant: the attention projections as llama.cpp blocks; the rest stays in dtype)."""
         emb = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else emb
         params = emb + head + self.hidden_size + self.num_layers * self.layer_non_expert_params()
-        return params * dtype.itemsize
+        attn_dense = self.num_layers * self.attention_params() * dtype.itemsize
+        return params * dtype.itemsize - attn_dense + self.num_layers * self.attention_bytes(dtype, quant)
 
     def kv_cache_bytes(self, seq_len: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
         return 2 * self.num_layers * batch * self.num_kv_heads * seq_len * self.head_dim * dtype.itemsize
 
     def decode_bytes_per_token(
-        self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1, experts_per_layer: float | None = None
+        self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1, experts_per_layer: float | None = None,
+        quant: str | None = None,
     ) -> float:
         """Bytes a decode step must read from memory at least: the active experts (`experts_per_layer`
         distinct ones per layer, if known from the routing; else top_k * batch capped at num_experts),
         attention projections, router, norms, lm_head and the KV cache of `batch` rows at length kv_len.
-        The embedding row is negligible and ignored."""
+        The embedding row is negligible and ignored. quant: experts and attention projections as
+        llama.cpp blocks (fiddler.quant), the rest in dtype."""
         s = dtype.itemsize
         if experts_per_layer is None:
             experts_per_layer = min(self.top_k * batch, self.num_experts)
-        experts = experts_per_layer * self.num_layers * self.expert_bytes(dtype)
-        per_layer = self.layer_non_expert_params() * s
+        experts = experts_per_layer * self.num_layers * self.expert_bytes(dtype, quant)
+        per_layer = (self.layer_non_expert_params() - self.attention_params()) * s + self.attention_bytes(dtype, quant)
         head = self.vocab_size * self.hidden_size * s + self.hidden_size * s
         return experts + self.num_layers * per_layer + head + self.kv_cache_bytes(kv_len, batch, dtype)

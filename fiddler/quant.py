@@ -228,3 +228,61 @@ def empty_expert_blocks(config, quant: str, device):
 def pack_expert(w, quant: str, hidden: int, ffn: int):
     """The CPU kernel's packed copy of an expert held as block bytes (fiddler.kernels.quant.QuantExpert)."""
     return _kq().QuantExpert(w.w1, w.w3, w.w2, quant, hidden, ffn)
+
+
+# ------------------------------------------------------------------ GGUF
+_GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+
+
+def _unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's converter permutation of q/k rows (per head, the two rope halves interleaved
+    row by row: HF row h*d + i*(d/2) + j is GGUF row h*d + 2j + i). Rows are whole blocks, so block bytes
+    permute like weights."""
+    n, rb = rows.shape
+    return rows.reshape(n_head, n // n_head // 2, 2, rb).transpose(1, 2).reshape(n, rb).contiguous()
+
+
+def load_gguf_blocks(path: str | Path, cfg, quant: str) -> dict[str, torch.Tensor]:
+    """The expert and attention projection blocks of a Mixtral/llama GGUF file (llama.cpp's converter +
+    quantizer output), under the cache's names ("l{l}.e{e}.w1", "l{l}.qkv", ...), in HF row order.
+    Every such tensor must be of type `quant` (llama.cpp's pure policy: baselines/llama_cpp, quant_policy
+    pure); the rest of the model is read from the checkpoint."""
+    try:
+        import gguf
+    except ImportError as e:  # a declared dependency; a clear message if an environment lacks it
+        raise RuntimeError("reading GGUF files needs the `gguf` package (pip install gguf)") from e
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    want = _GGUF_TYPES[quant]
+    H, F_, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{path}: no tensor {name} (is this a GGUF of a Mixtral checkpoint?)")
+        if t.tensor_type.name != want:
+            raise ValueError(f"{path}: {name} is {t.tensor_type.name}, not {want}; quantize with llama.cpp's pure "
+                             f"policy (python -m baselines.llama_cpp.convert MODEL --quant {quant} --pure)")
+        data = torch.from_numpy(t.data.copy())
+        if tuple(data.shape) != shape:
+            raise ValueError(f"{path}: {name} has block shape {tuple(data.shape)}, expected {shape}")
+        return data
+
+    rb = lambda cols: (cols + QK - 1) // QK * BLOCK_BYTES[quant]  # noqa: E731
+    out: dict[str, torch.Tensor] = {}
+    for l in range(cfg.num_layers):
+        p = f"blk.{l}"
+        q = _unpermute_rows(get(f"{p}.attn_q.weight", (nh * d, rb(H))), nh)
+        k = _unpermute_rows(get(f"{p}.attn_k.weight", (nkv * d, rb(H))), nkv)
+        v = get(f"{p}.attn_v.weight", (nkv * d, rb(H)))
+        out[f"l{l}.qkv"] = torch.cat([q, k, v]).contiguous()
+        out[f"l{l}.o"] = get(f"{p}.attn_output.weight", (H, rb(nh * d)))
+        gate = get(f"{p}.ffn_gate_exps.weight", (E, F_, rb(H)))
+        up = get(f"{p}.ffn_up_exps.weight", (E, F_, rb(H)))
+        down = get(f"{p}.ffn_down_exps.weight", (E, H, rb(F_)))
+        for e in range(E):
+            out[f"l{l}.e{e}.w1"] = gate[e].contiguous()
+            out[f"l{l}.e{e}.w3"] = up[e].contiguous()
+            out[f"l{l}.e{e}.w2"] = down[e].contiguous()
+    return out

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
+from baselines.base import check
 from baselines.engine_config import EngineSystemConfig
 
 
@@ -25,3 +26,10 @@ class FiddlerConfig(EngineSystemConfig):
     planner: Planner = Planner.makespan
     placement: Placement = Placement.popularity
     popularity_profile: Optional[str] = None  # JSON profile; None = uniform
+    # None (the model dtype), q8_0 or q4_0: experts and attention projections as llama.cpp blocks
+    # (fiddler.quant), like for like with system=llama_cpp's quant of the same type (quant_policy: pure)
+    quant: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(lambda: self.quant in (None, "q8_0", "q4_0"), "system.quant", self.quant, "null, q8_0 or q4_0")

@@ -43,7 +43,7 @@ inline float unit_scale(const uint8_t* unit, int b, int r) {
 inline void block_q(int fmt, const uint8_t* unit, int b, int r, int32_t* q) {
   if (fmt == kQ8_0) {
     for (int j = 0; j < 8; ++j)
-      for (int c = 0; c < 4; ++c) q[4 * j + c] = int8_t(qcol(fmt, unit, b, j, r)[c]);
+      for (int c = 0; c < 4; ++c) q[4 * j + c] = int32_t(qcol(fmt, unit, b, j, r)[c]) - 128;
   } else {
     for (int j = 0; j < 4; ++j)
       for (int c = 0; c < 4; ++c) {
@@ -234,8 +234,12 @@ int qpack(int fmt, const uint8_t* const* src, int groups, int64_t n, int64_t k, 
             uint8_t* unit = s + (kb / 2) * q_unit_bytes(fmt);
             const int b = int(kb % 2);
             std::memcpy(unit + b * 32 + r * 2, blk, 2);
-            for (int64_t j = 0; j < qb / 4; ++j)
-              std::memcpy(unit + 64 + b * q_quant_bytes(fmt) + (j * kQRows + r) * 4, blk + 2 + 4 * j, 4);
+            for (int64_t j = 0; j < qb / 4; ++j) {
+              uint8_t* d = unit + 64 + b * q_quant_bytes(fmt) + (j * kQRows + r) * 4;
+              std::memcpy(d, blk + 2 + 4 * j, 4);
+              if (fmt == kQ8_0)
+                for (int c = 0; c < 4; ++c) d[c] ^= 0x80;  // q + 128
+            }
           }
         }
         (void)units;
@@ -256,8 +260,11 @@ int qunpack(int fmt, const void* packed, int groups, int g, int64_t n, int64_t k
       const int b = int(kb % 2);
       uint8_t* blk = dst + (row * nkb + kb) * bb;
       std::memcpy(blk, unit + b * 32 + r * 2, 2);
-      for (int64_t j = 0; j < qb / 4; ++j)
+      for (int64_t j = 0; j < qb / 4; ++j) {
         std::memcpy(blk + 2 + 4 * j, unit + 64 + b * q_quant_bytes(fmt) + (j * kQRows + r) * 4, 4);
+        if (fmt == kQ8_0)
+          for (int c = 0; c < 4; ++c) blk[2 + 4 * j + c] ^= 0x80;
+      }
     }
   }
   return 0;

@@ -10,7 +10,8 @@
 // (kb = 2p, 2p+1) one "unit":
 //   64 bytes   the 2 x 16 fp16 scales d[kb][row]
 //   then for each of the 2 blocks the quants in 4-byte columns: for j in 0..J-1, for row in 0..15,
-//   4 bytes = the block's bytes 4j..4j+3 (Q8_0: J = 8, the int8 q of weights 4j..4j+3;
+//   4 bytes = the block's bytes 4j..4j+3 (Q8_0: J = 8, the int8 q of weights 4j..4j+3 stored as the
+//   unsigned q + 128, i.e. with the sign bit flipped, the operand vpdpbusd takes as is;
 //   Q4_0: J = 4, qs bytes 4j..4j+3 = weights 4j..4j+3 in the low and 16+4j..16+4j+3 in the high nibbles).
 // Units are 1088 (Q8_0) and 576 (Q4_0) bytes, multiples of 64, so a row group is one aligned stream;
 // rows past N and blocks past K have d = 0 and q = 0. `groups` matrices of one shape (W1, W3) are

@@ -46,7 +46,8 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
       for (int hh = 0; hh < 2; ++hh) {
         if constexpr (Fmt == kQ8_0) {
           for (int j = 0; j < 8; ++j) {
-            const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh));
+            const __m256i wv = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh)),
+                                                _mm256_set1_epi8(char(0x80)));  // the signed q (stored q + 128)
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int t = 0; t < M; ++t) {
               const __m256i sx = _mm256_sign_epi8(bcast4(xq + t * kp + kb * kQK + 4 * j), wv);
@@ -98,7 +99,8 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
         for (int t = 0; t < M; ++t) s[t] = _mm256_setzero_ps();
         if constexpr (Fmt == kQ8_0) {
           for (int j = 0; j < 8; ++j) {
-            const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh));
+            const __m256i v = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh)),
+                                               _mm256_set1_epi8(char(0x80)));
             __m256 c[4];
             c[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
             c[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));

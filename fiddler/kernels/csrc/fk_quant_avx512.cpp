@@ -21,50 +21,69 @@ inline __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The stream prefetch of the 64-byte line at p, issued next to its load (spread over the stream, not in
+// bursts): `near` bytes ahead into L1 and, with a far distance (the per-CPU knob's second prefetch),
+// `far` bytes ahead into L2; 0 = none. `dist` packs near (low 32 bits) and far (high 32 bits).
 template <bool Pf>
-inline void prefetch_unit(const uint8_t* unit, int64_t ub, int64_t dist) {
-  if constexpr (Pf)
-    for (int64_t l = 0; l < ub; l += 64) _mm_prefetch(reinterpret_cast<const char*>(unit + dist + l), _MM_HINT_T0);
+inline void pf_line(const uint8_t* p, int64_t dist) {
+  if constexpr (Pf) {
+    const int64_t near = dist & 0xffffffff, far = dist >> 32;
+    if (near) _mm_prefetch(reinterpret_cast<const char*>(p + near), _MM_HINT_T0);
+    if (far) _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T1);
+  }
+}
+inline int64_t pf_distances(const StreamTuning& st) {
+  return (st.hint != kHintNone ? st.distance : 0) | (st.far << 32);
 }
 
 // a8: per block, isum[t] = sum_j dpbusd(u8 weights, s8 activations); the unsigned weights are
-// Q8_0 q + 128 (xor 0x80) or the Q4_0 nibbles, so isum - zero * sum(x_q) is the signed dot product.
+// Q8_0 q + 128 (stored so) or the Q4_0 nibbles, so isum - zero * sum(x_q) is the signed dot product.
+// With few tokens a single accumulator per token would chain 8 dependent vpdpbusd per block (~40
+// cycles: slower than DRAM delivers a Q4_0 block on one core), so each token sums into NA
+// independent accumulators that are added at the end of the block.
 template <int Fmt, int M, bool Pf>
 void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t kp,
              float* acc, int64_t dist) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576, qb = Fmt == kQ8_0 ? 512 : 256;
   constexpr int zero = Fmt == kQ8_0 ? 128 : 8;
+  constexpr int NA = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
   const int64_t nkb = kp / kQK;
   __m512 f[M];
   for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(char(0x80)), low = _mm512_set1_epi8(0x0f);
+  const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t u = 0; u < units; ++u, w += ub) {
-    prefetch_unit<Pf>(w, ub, dist);
+    pf_line<Pf>(w, dist);
     for (int b = 0; b < 2; ++b) {
       const int64_t kb = 2 * u + b;
       const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
       const uint8_t* q = w + 64 + b * qb;
-      __m512i is[M];
-      for (int t = 0; t < M; ++t) is[t] = _mm512_setzero_si512();
+      __m512i is[M][NA];
+      for (int t = 0; t < M; ++t)
+        for (int a = 0; a < NA; ++a) is[t][a] = _mm512_setzero_si512();
       if constexpr (Fmt == kQ8_0) {
         for (int j = 0; j < 8; ++j) {
-          const __m512i wv = _mm512_xor_si512(_mm512_load_si512(q + 64 * j), flip);
-          for (int t = 0; t < M; ++t) is[t] = _mm512_dpbusd_epi32(is[t], wv, bcast4(xq + t * kp + kb * kQK + 4 * j));
+          pf_line<Pf>(q + 64 * j, dist);
+          const __m512i wv = _mm512_load_si512(q + 64 * j);
+          for (int t = 0; t < M; ++t)
+            is[t][j % NA] = _mm512_dpbusd_epi32(is[t][j % NA], wv, bcast4(xq + t * kp + kb * kQK + 4 * j));
         }
       } else {
         for (int j = 0; j < 4; ++j) {
+          pf_line<Pf>(q + 64 * j, dist);
           const __m512i v = _mm512_load_si512(q + 64 * j);
           const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int t = 0; t < M; ++t) {
             const int8_t* xb = xq + t * kp + kb * kQK;
-            is[t] = _mm512_dpbusd_epi32(is[t], lo, bcast4(xb + 4 * j));
-            is[t] = _mm512_dpbusd_epi32(is[t], hi, bcast4(xb + 16 + 4 * j));
+            is[t][(2 * j) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j) % NA], lo, bcast4(xb + 4 * j));
+            is[t][(2 * j + 1) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j + 1) % NA], hi, bcast4(xb + 16 + 4 * j));
           }
         }
       }
       for (int t = 0; t < M; ++t) {
+        __m512i sum = is[t][0];
+        for (int a = 1; a < NA; ++a) sum = _mm512_add_epi32(sum, is[t][a]);
         const __m512i corr = _mm512_set1_epi32(zero * xs[t * nkb + kb]);
-        const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(is[t], corr));
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr));
         f[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * nkb + kb])), f[t]);
       }
     }
@@ -80,7 +99,7 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
   for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
   for (int64_t u = 0; u < units; ++u, w += ub) {
-    prefetch_unit<Pf>(w, ub, dist);
+    pf_line<Pf>(w, dist);
     for (int b = 0; b < 2; ++b) {
       const int64_t k0 = (2 * u + b) * kQK;
       const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
@@ -89,7 +108,8 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
       for (int t = 0; t < M; ++t) s[t] = _mm512_setzero_ps();
       if constexpr (Fmt == kQ8_0) {
         for (int j = 0; j < 8; ++j) {
-          const __m512i v = _mm512_load_si512(q + 64 * j);
+          pf_line<Pf>(q + 64 * j, dist);
+          const __m512i v = _mm512_xor_si512(_mm512_load_si512(q + 64 * j), _mm512_set1_epi8(char(0x80)));  // signed q
           __m512 c[4];
           c[0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
           c[1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
@@ -102,6 +122,7 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
         }
       } else {
         for (int j = 0; j < 4; ++j) {
+          pf_line<Pf>(q + 64 * j, dist);
           const __m512i v = _mm512_load_si512(q + 64 * j);
           for (int i = 0; i < 4; ++i) {
             const __m512 lo = _mm512_cvtepi32_ps(
@@ -129,13 +150,13 @@ template <int Fmt, int M>
 void a8_m(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t kp,
           float* acc) {
   const StreamTuning st = stream_tuning();
-  if (st.hint != kHintNone) mk_a8_t<Fmt, M, true>(w, units, xq, xd, xs, kp, acc, st.distance);
+  if (st.hint != kHintNone || st.far) mk_a8_t<Fmt, M, true>(w, units, xq, xd, xs, kp, acc, pf_distances(st));
   else mk_a8_t<Fmt, M, false>(w, units, xq, xd, xs, kp, acc, 0);
 }
 template <int Fmt, int M>
 void w_m(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* acc) {
   const StreamTuning st = stream_tuning();
-  if (st.hint != kHintNone) mk_w_t<Fmt, M, true>(w, units, x, kp, acc, st.distance);
+  if (st.hint != kHintNone || st.far) mk_w_t<Fmt, M, true>(w, units, x, kp, acc, pf_distances(st));
   else mk_w_t<Fmt, M, false>(w, units, x, kp, acc, 0);
 }
 

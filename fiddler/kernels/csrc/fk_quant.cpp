@@ -103,7 +103,28 @@ void mk_w_generic(int fmt, const uint8_t* w, int64_t units, const float* x, int6
 
 }  // namespace
 
-extern const QuantOps kQuantGenericOps = {"generic", 4, mk_a8_generic, mk_w_generic};
+void quant_row_generic(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  float v[kQK];
+  for (int64_t kb = 0; kb < kp / kQK; ++kb) {
+    float amax = 0.0f;
+    for (int i = 0; i < kQK; ++i) {
+      const int64_t c = kb * kQK + i;
+      v[i] = c < k ? bf16_to_f32(x[c]) : 0.0f;
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    d[kb] = half_to_f32(f32_to_half(amax / 127.0f));
+    int32_t sum = 0;
+    for (int i = 0; i < kQK; ++i) {
+      const int qi = int(std::nearbyint(v[i] * id));
+      q[kb * kQK + i] = int8_t(qi);
+      sum += qi;
+    }
+    s[kb] = sum;
+  }
+}
+
+extern const QuantOps kQuantGenericOps = {"generic", 4, mk_a8_generic, mk_w_generic, quant_row_generic};
 
 // ---------------------------------------------------------------- mode and path
 namespace {
@@ -305,25 +326,8 @@ void prepare_acts(int mode, const uint16_t* x, int64_t ldx, int64_t tokens, int6
   int8_t* q = qscratch(a.q, size_t(tokens * kp));
   float* d = qscratch(a.d, size_t(tokens * nkb));
   int32_t* s = qscratch(a.s, size_t(tokens * nkb));
-  float v[kQK];
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-      float amax = 0.0f;
-      for (int i = 0; i < kQK; ++i) {
-        const int64_t c = kb * kQK + i;
-        v[i] = c < k ? bf16_to_f32(x[t * ldx + c]) : 0.0f;
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-      d[t * nkb + kb] = half_to_f32(f32_to_half(amax / 127.0f));
-      int32_t sum = 0;
-      for (int i = 0; i < kQK; ++i) {
-        const int qi = int(std::nearbyint(v[i] * id));
-        q[t * kp + kb * kQK + i] = int8_t(qi);
-        sum += qi;
-      }
-      s[t * nkb + kb] = sum;
-    }
+  const QuantOps& ops = qops();
+  for (int64_t t = 0; t < tokens; ++t) ops.quant_row(x + t * ldx, k, kp, q + t * kp, d + t * nkb, s + t * nkb);
 }
 
 // acc[tokens][16] for one row group's stream w (all tokens, token groups of ops.mr)

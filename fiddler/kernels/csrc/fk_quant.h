@@ -80,7 +80,11 @@ struct QuantOps {
                 const int32_t* xs, int64_t kp, int m, float* acc);
   // w: x fp32 [m][kp]
   void (*mk_w)(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, int m, float* acc);
+  // a8 activations of one bf16 row x[k] (zero-padded to kp): q[kp], d[kp/32], s[kp/32] (see QActs);
+  // every path gives the same bits (exact max, IEEE divide and multiply, round-half-even)
+  void (*quant_row)(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
 };
+void quant_row_generic(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
 
 extern const QuantOps kQuantGenericOps;
 #if defined(__x86_64__)

@@ -153,7 +153,7 @@ void mk_w(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, 
 
 }  // namespace
 
-extern const QuantOps kQuantAvx2Ops = {"avx2", kMr, mk_a8, mk_w};
+extern const QuantOps kQuantAvx2Ops = {"avx2", kMr, mk_a8, mk_w, quant_row_generic};
 
 }  // namespace fk
 

@@ -50,6 +50,12 @@ class SystemConfig:
         options = {"name": cls.schema_name.removesuffix("_schema"), "adapter": "", **options}
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), options))
 
+    def sim_policy(self):
+        """This system's policy for `mode=simulate`: a `fiddler.sim.SimPolicy` built from these options
+        (each system's lives beside its adapter and is imported lazily here). Raise SystemUnavailable
+        with the reason where the system has no simulation model (the record is then `skipped`)."""
+        raise SystemUnavailable(f"system={self.name} has no simulation model")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their values), for records."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -53,8 +53,23 @@ class EngineAdapter(SystemAdapter):
             cpu_threads=self.config.cpu_threads or self.ctx.threads,
             max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch, quant=self.weight_quant,
         )
+        self.recorder = None
+        if self.config.record_routing:
+            from fiddler.sim.trace import RoutingRecorder
+
+            self.recorder = RoutingRecorder.for_config(self.engine.config)
+            self.engine.executor.attach_recorder(self.recorder)
+
+    @property
+    def routing_trace(self):
+        """The routing of the last generate (fiddler.sim.RoutingTrace), when system.record_routing is on."""
+        if self.recorder is None or not self.recorder.tokens:
+            return None
+        return self.recorder.trace(model=self.model.name, system=self.config.name, dtype=self.model.dtype)
 
     def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
+        if self.recorder is not None:
+            self.recorder.reset()  # the trace is of one generate: the last one
         out = self.engine.generate(request.input_ids, max_new_tokens=request.max_new_tokens,
                                    beam_width=request.beam_width, on_first_token=on_first_token)
         stats = {k: v for k, v in out.stats.items() if k != "decode_latencies_s"}

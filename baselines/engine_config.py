@@ -11,6 +11,9 @@ from baselines.base import SystemConfig, check
 class EngineSystemConfig(SystemConfig):
     cpu_threads: Optional[int] = None  # None = environment.cpu.threads
     gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
+    # keep the router's choices of every forward and write them next to the records as a routing trace
+    # (fiddler.sim.trace format; mode=simulate replays it with sim.trace=<file>)
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None:

@@ -74,9 +74,6 @@ def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     """Validate (types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
     preflight.check_known_keys(cfg)
     conf = validate(cfg)
-    if conf.mode is Mode.simulate:
-        raise ConfigError("mode=simulate is not available yet (the simulator lands with its own issue); "
-                          "use mode=execute")
     if conf.run.isolation is Isolation.inline and _limits(conf):
         raise ConfigError(f"run.isolation=inline cannot enforce {', '.join(_limits(conf))}: limits need a child "
                           f"process; allowed: run.isolation=auto or process, or no limit")
@@ -88,6 +85,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     """Measure the job's configurations; returns this job's records (also written to disk)."""
     # resume is decided on the config as asked (identity.py), before anything is detected or loaded
     requested = identity.requested_config(cfg)
+    preflight.check_execute_environment(requested)  # before resume: a foreign environment never "resumes"
     run_dir = Path(run_dir)
     index_path = Path(requested["run"]["index_path"]).expanduser() if requested["run"]["index_path"] \
         else records.default_index_path()
@@ -106,17 +104,19 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         return store.records
 
     conf, resolved = prepare(cfg)
-    preflight.check_threads(conf)
-    preflight.check_prompt_file(conf.workload.prompt_file)
-    model_path = resolve_model_path(conf)
+    simulating = conf.mode is Mode.simulate  # no weights, no child process, the host's cores irrelevant
+    if not simulating:
+        preflight.check_threads(conf)
+        preflight.check_prompt_file(conf.workload.prompt_file)
+    model_path = "" if simulating else resolve_model_path(conf)
     _add_resumed(store, done, hashes, len(points))
     run_id = uuid.uuid4().hex[:12]
 
     try:
-        process_env = dict(load_adapter_class(conf.system.adapter).process_env)
+        process_env = {} if simulating else dict(load_adapter_class(conf.system.adapter).process_env)
     except SystemUnavailable:  # recorded as `skipped` when the job loads the system
         process_env = {}
-    isolation = conf.run.isolation
+    isolation = Isolation.inline if simulating else conf.run.isolation
     if isolation is Isolation.auto:
         # a fresh process when there is more than one configuration, when a limit must be enforced,
         # or when the system needs its environment set before torch loads (this process may have
@@ -132,7 +132,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     job = Job(config=resolved, model_path=model_path, run_id=run_id, points=points, hashes=hashes,
               isolation=isolation.value, process_env=process_env, system_config=conf.system,
               memory_limit_gb=conf.run.memory_limit_gb,
-              detected=identity.detected(requested, resolved))
+              detected=identity.detected(requested, resolved), run_dir=str(run_dir))
     progress = _Progress(job, todo, enabled=conf.run.progress)
     current: list[int | None] = [None]
     try:
@@ -164,6 +164,11 @@ def _add_resumed(store: records.RunRecords, done: dict[str, dict[str, Any]], has
 
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
+    if conf.mode is Mode.simulate:
+        from runners.simulate import measure_all
+
+        yield from measure_all(job, todo, progress, current)
+        return
     if job.isolation == "process":
         from runners.isolation import run_isolated
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from fiddler import hardware
+from runners import provenance
 from runners.schema import Config, ConfigError
 
 
@@ -31,6 +32,23 @@ def check_known_keys(node: DictConfig, prefix: str = "") -> None:
                               f"{', '.join(fields)}")
         if isinstance(value, DictConfig):
             check_known_keys(value, f"{name}.")
+
+
+def check_execute_environment(requested: dict) -> None:
+    """Execute mode runs this host's hardware and nothing else: `environment=local` (its GPU is
+    detected), or a described environment whose `gpu.name` is this host's CUDA device (both `none`
+    without CUDA). Anything else is refused, naming the two ways out (mode=simulate, or a budget
+    emulated on `local`): `environment=rtx3060` on a CPU-only host ran the host and recorded it as
+    an RTX 3060. Takes the config as requested (runners.identity), so it runs before resume and
+    imports nothing for `local`."""
+    if requested.get("mode") != "execute":
+        return
+    env = requested["environment"]
+    if env["gpu"]["name"] == "<detected gpu.name>":
+        return  # environment=local: the host by construction (other keys may emulate a budget)
+    reason = provenance.foreign_environment_reason(env, provenance.host_gpu())
+    if reason:
+        raise ConfigError(reason)
 
 
 def check_threads(conf: Config) -> None:

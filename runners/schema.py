@@ -180,6 +180,37 @@ class RunConfig:
             _check(lambda: self.memory_limit_gb > 0, "run.memory_limit_gb", self.memory_limit_gb, "null or a number > 0")
 
 
+class SimRouting(Enum):
+    auto = "auto"  # sim.trace if given, else the model's reference popularity profile, else uniform
+    profile = "profile"  # sim.profile, or the model's reference profile
+    uniform = "uniform"
+    trace = "trace"  # sim.trace: a routing trace recorded in execute mode (system.record_routing=true)
+
+
+@dataclass
+class SimConfig:
+    """mode=simulate: where routing comes from and the efficiency factors (fiddler/sim)."""
+
+    routing: SimRouting = SimRouting.auto
+    profile: Optional[str] = None  # popularity JSON; None = the model's reference profile (mixtral_8x7b)
+    trace: Optional[str] = None  # routing trace JSON (fiddler.sim.trace format)
+    # temporal reuse between consecutive tokens and speculative-router recall (fiddler/sim/routing.py,
+    # calibrated to Mixtral-Offloading's Fig. 2 as summarised second-hand)
+    reuse: float = 0.26
+    speculative_recall: float = 0.85
+    seed: int = 0
+    cpu_class: Optional[str] = None  # None = from environment.cpu.name / isa (fiddler.sim.cpu_class_of)
+    gpu_class: str = "nvidia"
+    efficiency: Dict[str, float] = field(default_factory=dict)  # e.g. {cpu.kernel_bw_fraction: 0.9}
+
+    def __post_init__(self) -> None:
+        for key in ("reuse", "speculative_recall"):
+            v = getattr(self, key)
+            _check(lambda: 0.0 <= v <= 1.0, f"sim.{key}", v, "a number in [0, 1]")
+        _check(lambda: self.routing is not SimRouting.trace or bool(self.trace), "sim.routing", self.routing.value,
+               "trace only with sim.trace=<routing trace file>")
+
+
 @dataclass
 class Config:
     environment: EnvironmentConfig = MISSING
@@ -188,6 +219,7 @@ class Config:
     model: ModelConfig = MISSING
     mode: Mode = Mode.execute
     run: RunConfig = field(default_factory=RunConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
     cache_dir: str = "${oc.env:FIDDLER_CACHE,${oc.env:HOME}/.cache/fiddler}"
 
 

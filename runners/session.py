@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from baselines.base import (GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig, SystemUnavailable,
                             one_line)
-from runners import measure, records
+from runners import measure, provenance, records
 from runners.decode_bound import decode_bound, environment_limit
 from runners.workloads import Point, prompt_for
 
@@ -35,6 +35,7 @@ class Job:
     system_config: SystemConfig | None = None  # the typed system options handed to the adapter
     memory_limit_gb: float | None = None  # RLIMIT_AS of the measuring child process (named in `oom` reasons)
     detected: dict[str, Any] = field(default_factory=dict)  # environment keys measured at this start
+    run_dir: str | None = None  # where the records go (routing traces are written beside them)
 
     @property
     def system(self) -> dict[str, Any]:
@@ -87,14 +88,6 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
     cfg = job.config
     env = cfg["environment"]
     point = job.points[index]
-    budget_emulated = False
-    try:
-        from fiddler.hardware import cuda_device
-
-        gpu = cuda_device()
-        budget_emulated = bool(gpu) and float(env["gpu"]["memory_gb"]) < gpu["memory_gb"] - 0.5
-    except Exception:
-        pass
     from runners.host import host_facts
 
     return {
@@ -114,8 +107,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
         "code": records.code_version(),
         "host": host_facts(),
         "versions": records.library_versions(),
-        "environment_info": {"described": bool(env.get("described")), "budget_emulated": budget_emulated,
-                             "simulated": cfg["mode"] == "simulate", "detected": job.detected},
+        "environment_info": provenance.environment_info(cfg, job.detected),
         "method": {"timer": "time.perf_counter", "sync": "adapter.synchronize() before each reading",
                    "warmup": cfg["workload"]["warmup"], "repetitions": cfg["workload"]["repetitions"],
                    "isolation": job.isolation, "process_env": job.process_env},
@@ -193,6 +185,10 @@ class Session:
         rec["raw"] = measure.raw_of(samples)
         rec["stats"] = samples[-1].stats
         rec["system_info"] = self.adapter.info()
+        trace = getattr(self.adapter, "routing_trace", None)
+        if trace is not None and job.run_dir:
+            path = Path(job.run_dir) / "routing" / f"{job.system['name']}-{point.key()}.json"
+            rec["routing_trace"] = str(trace.save(path))
         if not self.adapter.ctx.has_cuda:  # every weight byte comes from host memory: the decode bound applies
             m = rec["metrics"]
             try:

@@ -1,5 +1,8 @@
 """Tables from records (pandas): one row per system x model x workload point, llama-bench style
 mean +- sd, plus status and reason for rows that did not run. Never built by hand.
+
+Every row says what produced it (`provenance`: measured, emulated or simulated; runners/provenance.py)
+and so does the line above the table.
 """
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from runners import provenance
 from runners.records import atomic_write_text
 
-KEYS = ["system", "variant", "model", "workload", "environment", "mode", "input", "output", "beam"]
+KEYS = ["system", "variant", "model", "workload", "environment", "provenance", "mode", "input", "output", "beam"]
 METRICS = [("ttft_s", "TTFT s", 3), ("prefill_tok_s", "prefill tok/s", 1),
            ("decode_tok_s", "decode tok/s", 2), ("e2e_tok_s", "e2e tok/s", 2)]
 
@@ -55,6 +59,8 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
         p = r.get("point", {})
         row = {"system": r.get("system"), "model": r.get("model"), "workload": r.get("workload"),
                "environment": r.get("environment"), "variant": variant, "mode": r.get("mode"),
+               "provenance": provenance.of_record(r),
+               "host_cpu": (r.get("host") or {}).get("cpu_name"),
                "input": p.get("input_len"),
                "output": p.get("output_len"), "beam": p.get("beam_width"), "status": r.get("status"),
                "reason": r.get("reason"), "time": r.get("time"), "run_id": r.get("run_id")}
@@ -103,10 +109,26 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def header(df: pd.DataFrame) -> str:
+    """One line saying what the numbers are: each provenance present, and the CPU of measured rows."""
+    parts = []
+    for label in provenance.LABELS:
+        rows = df[df["provenance"] == label]
+        if rows.empty:
+            continue
+        text = f"{label.upper()}: {provenance.MEANING[label]}"
+        if label != provenance.SIMULATED:
+            cpus = sorted({str(c) for c in rows["host_cpu"] if c is not None and not pd.isna(c)})
+            if cpus:
+                text += f" ({', '.join(cpus)})"
+        parts.append(f"{text} ({len(rows)} rows)")
+    return "Numbers: " + "; ".join(parts)
+
+
 def to_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "(no records)"
-    return display(df).to_markdown(index=False)
+    return header(df) + "\n\n" + display(df).to_markdown(index=False)
 
 
 def save(df: pd.DataFrame, directory: Path) -> None:

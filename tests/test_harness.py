@@ -103,9 +103,13 @@ def test_wrong_types_and_enum_values_fail_at_compose(overrides, words):
     assert all(w in text for w in words), text
 
 
-def test_simulate_mode_is_a_clear_error_for_now():
-    with pytest.raises(ConfigError, match="mode=simulate"):
-        prepare(cfg_of("mode=simulate"))
+def test_simulate_mode_is_accepted_and_its_options_checked():
+    conf, _ = prepare(cfg_of("mode=simulate", "model=mixtral_8x7b", "environment=rtx3060"))
+    assert conf.sim.reuse == 0.26
+    with pytest.raises(ConfigError, match="sim.reuse"):
+        prepare(cfg_of("mode=simulate", "sim.reuse=1.5"))
+    with pytest.raises(ConfigError, match="sim.routing"):
+        prepare(cfg_of("mode=simulate", "sim.routing=trace"))
 
 
 def test_prompts_are_seeded_and_shared():

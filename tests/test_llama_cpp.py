@@ -162,7 +162,7 @@ def test_gpu_layers_without_gpu_build_is_unavailable(tiny, tmp_path):
 
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(tmp_path))
     ad = LlamaCppAdapter(LlamaCppConfig.build(n_gpu_layers=4), ModelSpec(name="t", path=str(tiny)), ctx)
-    with pytest.raises(SystemUnavailable, match="n_gpu_layers=4 needs a GPU build"):
+    with pytest.raises(SystemUnavailable, match=r"n_gpu_layers=4 \(system.n_gpu_layers\) needs a GPU build"):
         ad.load()
 
 

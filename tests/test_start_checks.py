@@ -122,8 +122,12 @@ def test_threads_beyond_the_hosts_cores_are_refused(tmp_path, loads, override):
     assert f"is more than the {cores} cores this process may use" in msg and msg.endswith(f"allowed: 1..{cores}")
 
 
-def test_a_described_environment_says_how_to_run_it_here(tmp_path, loads):
-    msg = _refused(tmp_path, loads, "environment=paper_env1")  # 48 cores described
+def test_a_described_environment_says_how_to_run_it_here(tmp_path, loads, monkeypatch):
+    from runners import provenance
+
+    # on a host whose GPU is paper_env1's (else it is refused as another machine: test_honest_environments)
+    monkeypatch.setattr(provenance, "host_gpu", lambda: {"name": "Quadro RTX 6000", "memory_gb": 24.0})
+    msg = _refused(tmp_path, loads, "environment=paper_env1")  # 12 cores described
     assert msg.startswith("environment.cpu.threads=") and f"environment.cpu.threads={hardware.cpu_cores()} to run it here" in msg
 
 

@@ -35,3 +35,13 @@ class DeepSpeedConfig(SystemConfig):
               "1 (the harness runs one process)")
         if self.max_length is not None:
             check(lambda: self.max_length >= 1, "system.max_length", self.max_length, "null or an integer >= 1")
+
+    def sim_policy(self):
+        from baselines.base import SystemUnavailable
+
+        from .sim import ZeroInferenceSimPolicy
+
+        if self.offload_device is OffloadDevice.nvme:
+            raise SystemUnavailable("deepspeed_mii with offload_device=nvme has no simulation model (NVMe "
+                                    "bandwidth is not in the environments); simulate offload_device=cpu")
+        return ZeroInferenceSimPolicy(resident=self.engine is DeepSpeedEngine.mii)

@@ -12,5 +12,10 @@ class FiddlerAdapter(EngineAdapter):
     def executor_factory(self):
         from fiddler.executors import FiddlerPolicy
 
+        from .profiles import reference_popularity
+
         c = self.config
-        return FiddlerPolicy(placement=c.placement.value, popularity=c.popularity_profile, planner=c.planner.value)
+        # no profile given: the model's real routing statistics where the project has them
+        popularity = c.popularity_profile or reference_popularity(self.model.name)
+        return FiddlerPolicy(placement=c.placement.value, popularity=popularity, planner=c.planner.value,
+                             overlap=c.overlap)

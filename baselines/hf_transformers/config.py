@@ -20,3 +20,11 @@ class HFTransformersConfig(SystemConfig):
 
     # transformers' MoE experts implementation; auto = the fastest on a CPU (grouped_mm when registered)
     experts_implementation: ExpertsImpl = ExpertsImpl.auto
+
+    def sim_policy(self):
+        from baselines.base import SystemUnavailable
+
+        raise SystemUnavailable(
+            "hf_transformers has no simulation model: the Fiddler paper does not compare with it, and how "
+            "transformers/accelerate would offload a model beyond the GPU (device_map='auto' with CPU-offloaded "
+            "modules run on the CPU or streamed per forward) is not modelled; run it in execute mode")

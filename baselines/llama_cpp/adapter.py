@@ -14,9 +14,12 @@ Options (``conf/system/llama_cpp.yaml``):
   ``system.quant``: ``llama_model_quantize`` from the bf16 GGUF with ``pure=True``,
   ``quantize_output_tensor=False``, ``token_embedding_type=BF16``) or ``llama`` (llama.cpp's own mix);
 - ``n_gpu_layers``: layers offloaded to the GPU (llama.cpp's ``-ngl``; -1 = all). Needs a GPU build
-  of llama-cpp-python; 0 on CPU;
+  of llama-cpp-python. null (the default) derives it from the GPU budget on a CUDA machine, as many
+  whole layers as fit, as the Fiddler paper ran it (:func:`baselines.llama_cpp.layers.gpu_layers`,
+  the same function the simulator's llama.cpp policy uses); 0 without CUDA;
 - ``n_cpu_moe``: keep the expert FFN tensors of the first N layers in host memory (llama.cpp's
-  ``--n-cpu-moe``), implemented with ``tensor_buft_overrides``;
+  ``--n-cpu-moe``), implemented with ``tensor_buft_overrides``; -1 = every layer on the GPU and N as
+  small as the GPU budget allows (on CUDA; :func:`baselines.llama_cpp.layers.cpu_moe_layers`);
 - ``n_ctx``: KV-cache cells; null = 4096 (at most the training context), grown (context rebuilt,
   ``stats.context_rebuilt``) when a request needs more (prompt + beams x new tokens);
 - ``n_batch``: prompt tokens per ``llama_decode`` (also the micro-batch);
@@ -98,22 +101,48 @@ class LlamaCppAdapter(SystemAdapter):
             raise SystemUnavailable(f"llama-cpp-python's shared library failed to load: {exc}") from exc
         self._lc = llama_cpp
         c = self.config
-        ngl = c.n_gpu_layers
+        ngl, n_cpu_moe, self.ngl_source = self.resolve_offload()
         if ngl != 0 and not llama_cpp.llama_supports_gpu_offload():
             raise SystemUnavailable(
-                f"n_gpu_layers={ngl} needs a GPU build of llama-cpp-python (this one is CPU-only); "
-                f"rebuild with CMAKE_ARGS=\"-DGGML_CUDA=ON\" or set system.n_gpu_layers=0")
+                f"n_gpu_layers={ngl} ({self.ngl_source}) needs a GPU build of llama-cpp-python (this one is "
+                f"CPU-only); rebuild with CMAKE_ARGS=\"-DGGML_CUDA=ON\" or set system.n_gpu_layers=0")
         from .engine import LlamaCppModel, LoadParams
 
         self.gguf_path = convert.ensure_gguf(self.model.path, c.quant, self.ctx.cache_dir, c.converter_dir,
                                              self.threads, pure=self.pure_quant)
         n_ctx = c.n_ctx if c.n_ctx is not None else DEFAULT_CTX
         params = LoadParams(threads=self.threads, n_ctx=n_ctx, n_batch=c.n_batch, n_seq_max=DEFAULT_SEQS,
-                            n_gpu_layers=ngl, n_cpu_moe=c.n_cpu_moe, flash_attn=c.flash_attn.value,
+                            n_gpu_layers=ngl, n_cpu_moe=n_cpu_moe, flash_attn=c.flash_attn.value,
                             kv_cache_type=c.kv_cache_type, verbose=c.verbose)
         self.llm = LlamaCppModel(self.gguf_path, params)
         if c.n_ctx is None and self.llm.n_ctx > self.llm.n_ctx_train > 0:
             self.llm.new_context(_round_up(self.llm.n_ctx_train), DEFAULT_SEQS)
+
+    def resolve_offload(self) -> tuple[int, int, str]:
+        """(-ngl, --n-cpu-moe, where they came from). system.n_gpu_layers when set; else, on a CUDA
+        machine, as many whole layers as the GPU budget holds; with system.n_cpu_moe=-1, every layer on
+        the GPU and the expert FFNs of as few first layers as the budget needs in host memory
+        (baselines/llama_cpp/layers.py, shared with the simulator); without CUDA nothing is offloaded."""
+        c = self.config
+        derive_moe = c.n_cpu_moe == -1
+        if c.n_gpu_layers is not None and not derive_moe:
+            return int(c.n_gpu_layers), c.n_cpu_moe, "system.n_gpu_layers"
+        budget_gb = float(self.ctx.gpu_memory_gb or 0)
+        if not self.ctx.has_cuda or budget_gb <= 0:
+            return 0, 0, "no CUDA GPU" if not self.ctx.has_cuda else "environment.gpu.memory_gb=0"
+        from fiddler.config import MoEConfig
+
+        from .layers import cpu_moe_layers, gpu_layers
+
+        n_ctx = max(c.n_ctx or DEFAULT_CTX, int(self.ctx.max_seq_len) * max(1, int(self.ctx.max_batch)))
+        fit = (cpu_moe_layers if derive_moe else gpu_layers)(
+            MoEConfig.from_pretrained(self.model.path), int(budget_gb * 2**30), c.quant, n_ctx, c.kv_cache_type)
+        self.gpu_layers_fit = fit.as_dict()
+        if derive_moe:
+            where = f"all layers with the expert FFNs of the first {fit.n_cpu_moe} in host memory"
+        else:
+            where = f"{fit.gpu_layers} whole layers{' and the output layer' if fit.output_on_gpu else ''}"
+        return fit.n_gpu_layers, fit.n_cpu_moe, f"derived from environment.gpu.memory_gb={budget_gb:g}: {where} fit"
 
     def _ensure_context(self, request: GenerationRequest) -> bool:
         """Grow the context if the request needs more cells or sequences. True if rebuilt."""
@@ -164,6 +193,10 @@ class LlamaCppAdapter(SystemAdapter):
                                "quant": self.config.quant, "weight_quant": self.weight_quant,
                                "quant_policy": ("pure (experts and attention in the type, embeddings and output bf16)"
                                                 if self.pure_quant else "llama.cpp's own for the type")}
+        if getattr(self, "ngl_source", None):
+            out["n_gpu_layers_source"] = self.ngl_source
+        if getattr(self, "gpu_layers_fit", None):
+            out["gpu_layers_fit"] = self.gpu_layers_fit
         try:
             out["llama_cpp_python_version"] = convert.llama_cpp_python_version()
         except SystemUnavailable:

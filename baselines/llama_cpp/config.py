@@ -32,8 +32,8 @@ class LlamaCppConfig(SystemConfig):
     # q8_0 / q4_0 only: "pure" = like for like with fiddler's system.quant (experts and attention in the
     # type, embeddings and output matrix bf16); "llama" = llama.cpp's own mix for the type
     quant_policy: QuantPolicy = QuantPolicy.pure
-    n_gpu_layers: int = 0  # -ngl; -1 = all
-    n_cpu_moe: int = 0  # --n-cpu-moe: expert FFNs of the first N layers stay in host memory
+    n_gpu_layers: Optional[int] = None  # -ngl; -1 = all; None = as many as the GPU budget holds (0 without CUDA)
+    n_cpu_moe: int = 0  # --n-cpu-moe: expert FFNs of the first N layers stay in host memory; -1 = as few as the budget needs
     n_ctx: Optional[int] = None  # None = derived from the request
     n_batch: int = 512
     flash_attn: OnOffAuto = OnOffAuto.auto
@@ -44,8 +44,11 @@ class LlamaCppConfig(SystemConfig):
 
     def __post_init__(self) -> None:
         check(lambda: self.quant in SUPPORTED_QUANTS, "system.quant", self.quant, ", ".join(SUPPORTED_QUANTS))
-        check(lambda: self.n_gpu_layers >= -1, "system.n_gpu_layers", self.n_gpu_layers, "-1 (all) or >= 0")
-        check(lambda: self.n_cpu_moe >= 0, "system.n_cpu_moe", self.n_cpu_moe, "an integer >= 0")
+        if self.n_gpu_layers is not None:
+            check(lambda: self.n_gpu_layers >= -1, "system.n_gpu_layers", self.n_gpu_layers,
+                  "null (derived from the GPU budget), -1 (all) or >= 0")
+        check(lambda: self.n_cpu_moe >= -1, "system.n_cpu_moe", self.n_cpu_moe,
+              "-1 (derived from the GPU budget) or an integer >= 0")
         check(lambda: self.n_batch >= 1, "system.n_batch", self.n_batch, "an integer >= 1")
         if self.n_ctx is not None:
             check(lambda: self.n_ctx >= 1, "system.n_ctx", self.n_ctx, "null or an integer >= 1")
@@ -55,3 +58,9 @@ class LlamaCppConfig(SystemConfig):
               ", ".join(KV_CACHE_TYPES))
         check(lambda: not (self.kv_cache_type in ("q8_0", "q4_0") and self.flash_attn is OnOffAuto.off),
               "system.flash_attn", "off", "auto or on with a quantized KV cache (llama.cpp needs flash attention)")
+
+    def sim_policy(self):
+        from .sim import LlamaCppSimPolicy
+
+        return LlamaCppSimPolicy(self.n_gpu_layers, self.n_cpu_moe, self.quant, self.n_batch, self.n_ctx,
+                                 self.kv_cache_type)

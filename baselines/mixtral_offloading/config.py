@@ -37,3 +37,14 @@ class MixtralOffloadingConfig(EngineSystemConfig):
                 check(lambda: v >= 1, f"system.{key}", v, "null or an integer >= 1")
         check(lambda: self.default_cache_size >= 1, "system.default_cache_size", self.default_cache_size,
               "an integer >= 1")
+
+    def sim_policy(self):
+        from baselines.base import SystemUnavailable
+
+        from .sim import MixtralOffloadingSimPolicy
+
+        if self.quantize:
+            raise SystemUnavailable("mixtral_offloading with quantize=true has no simulation model (HQQ expert "
+                                    "sizes and dequantization cost are not modelled); simulate quantize=false")
+
+        return MixtralOffloadingSimPolicy(self.cache_size, self.default_cache_size, self.prefetch, self.prefetch_k)

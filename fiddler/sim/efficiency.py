@@ -1,0 +1,156 @@
+"""Efficiency factors of the simulator: what fraction of a spec-sheet peak real code reaches, one set per
+hardware class, each with where it came from.
+
+A CPU class says how fast *our* kernel streams weights relative to the machine's read limit
+(`fiddler.kernels.read_limit`, the independent limit), how fast bf16 GEMMs run per core at prefill
+sizes, and how much of the spec sheet's theoretical DRAM bandwidth the read limit is (used only for
+described environments: `environment=local`'s bandwidth is already the measured limit). A GPU class
+says the same of the GPU. Every factor can be overridden (`Efficiency.with_overrides`); none is fitted
+to a table cell.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CpuClass:
+    name: str
+    #: fiddler's CPU kernel at 1 token: GB/s read / the independent read limit
+    kernel_bw_fraction: float
+    #: bf16 GEMM at prefill sizes (torch/oneDNN or our kernel, whichever the engine uses), GFLOP/s per core;
+    #: the time of a CPU matmul is bytes / (limit x kernel_bw_fraction) + FLOPs / (cores x this)
+    gemm_gflops_per_core: float
+    #: the read limit / the theoretical DRAM bandwidth of the spec sheet (described environments only)
+    limit_of_theoretical: float
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuClass:
+    name: str
+    bw_fraction: float  # achieved / spec memory bandwidth, weight-streaming kernels
+    flops_fraction: float  # achieved / spec dense bf16 tensor FLOP/s, GEMMs of MoE sizes
+    launch_s: float  # floor of one kernel launch
+    #: host-side time per decoder layer and step of fiddler's engine on a GPU (Python dispatch, streams,
+    #: events): the floor of a layer's GPU-side work
+    engine_layer_overhead_s: float
+    pcie_fraction: float  # achieved / the environment's PCIe number (already pinned-copy rates: 1.0)
+    pcie_latency_s: float
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+_SPR_STREAM = "results/measured/2026-12-01-intel-xeon-stream (t0:1024/4096 reads 0.93 of read_limit at 1 token)"
+
+CPU_CLASSES: dict[str, CpuClass] = {
+    "intel_sapphire_rapids": CpuClass(
+        "intel_sapphire_rapids", kernel_bw_fraction=0.93, gemm_gflops_per_core=930.0, limit_of_theoretical=0.80,
+        sources={
+            "kernel_bw_fraction": _SPR_STREAM,
+            "gemm_gflops_per_core": "results/measured/2026-12-01-intel-xeon-gemm: torch bf16 F.linear (oneDNN, AMX) "
+                                    "on a Mixtral w1 (14336x4096), 512 tokens, 2 threads: 1865 GFLOP/s; the sum "
+                                    "model bytes/limit + FLOPs/rate reproduces 16-512 tokens within 15%",
+            "limit_of_theoretical": "assumption (second-hand): published STREAM-class reads on one Sapphire Rapids "
+                                    "socket reach about 80% of 8 x DDR5-4800",
+        }),
+    "amd_zen": CpuClass(
+        "amd_zen", kernel_bw_fraction=0.97, gemm_gflops_per_core=580.0, limit_of_theoretical=0.85,
+        sources={
+            "kernel_bw_fraction": "results/measured/2026-11-29-small_mixtral-2core-epyc/bench_kernel.json: the "
+                                  "kernel reads 1.01 (1 token) to 0.97 (4 tokens) of the probe on a Zen VM "
+                                  "(commit 882f944's prefetch); the probe then shared the kernel's prefetch, so "
+                                  "the lower value is used",
+            "gemm_gflops_per_core": "same file, 128 tokens: 45.8 ms for 45.1 GFLOP + 352 MB at 50 GB/s -> "
+                                    "1.16 TFLOP/s on 2 cores (AVX512-BF16 kernel, no AMX)",
+            "limit_of_theoretical": "assumption: dual-channel DDR5 desktops read about 85% of theoretical",
+        }),
+    "intel_skylake_avx512": CpuClass(
+        "intel_skylake_avx512", kernel_bw_fraction=0.85, gemm_gflops_per_core=40.0, limit_of_theoretical=0.80,
+        sources={
+            "kernel_bw_fraction": "assumption: no such CPU measured; the AVX-512 path without BF16 converts "
+                                  "weights to fp32 (more instructions per byte), taken as the AVX2 path's 0.85",
+            "gemm_gflops_per_core": "assumption: 2.6 GHz x 32 fp32 FLOP/cycle x 0.5 (bf16 converted to fp32)",
+            "limit_of_theoretical": "assumption (second-hand): six-channel DDR4-2666 sockets stream about 80%",
+        }),
+    "avx2_desktop": CpuClass(
+        "avx2_desktop", kernel_bw_fraction=0.85, gemm_gflops_per_core=60.0, limit_of_theoretical=0.85,
+        sources={
+            "kernel_bw_fraction": "results/measured/2026-12-01-intel-xeon-small_mixtral-3systems/"
+                                  "regress-quick-forced-avx2.txt: the AVX2 kernel reads 0.85 of the limit at 1 "
+                                  "token (forced on the Intel VM)",
+            "gemm_gflops_per_core": "assumption: 4 GHz x 32 fp32 FLOP/cycle (2 x 256-bit FMA) x 0.5 with bf16 "
+                                    "converted to fp32 -> about 60",
+            "limit_of_theoretical": "assumption: dual-channel DDR4 desktops read about 85% of theoretical",
+        }),
+}
+
+_H200 = "results/measured/2026-11-29-h200-device-check/bench.txt"
+
+GPU_CLASSES: dict[str, GpuClass] = {
+    "nvidia": GpuClass(
+        "nvidia", bw_fraction=0.80, flops_fraction=0.60, launch_s=1e-5, engine_layer_overhead_s=1.2e-3,
+        pcie_fraction=1.0, pcie_latency_s=1e-5,
+        sources={
+            "bw_fraction": "assumption (second-hand): memory-bound GEMV kernels reach 75-90% of the spec bandwidth",
+            "flops_fraction": "assumption: cuBLAS bf16 GEMMs of 4096x14336 at tens to thousands of rows, 50-70% of "
+                              "the dense tensor peak",
+            "launch_s": "CUDA kernel launch plus PyTorch dispatch, about 10 us",
+            "engine_layer_overhead_s": f"{_H200}: fiddler on small_mixtral (8 layers) with every expert resident "
+                                       "decodes 98.7 tok/s on an H200 = 10.1 ms per step, of which the weights "
+                                       "are 0.4 ms at the H200's bandwidth -> about 1.2 ms per layer and step",
+            "pcie_fraction": "the environments' PCIe numbers are pinned-copy rates already",
+            "pcie_latency_s": "cudaMemcpyAsync issue latency, about 10 us",
+        }),
+}
+
+
+def cpu_class_of(name: str, isa: str, has_amx: bool | None = None) -> str:
+    """The CPU class of an environment's CPU, from its name and ISA (override with sim.cpu_class)."""
+    n = (name or "").lower()
+    if "epyc" in n or "ryzen" in n or "amd" in n:
+        return "amd_zen"
+    if isa == "avx2":
+        return "avx2_desktop"
+    if isa == "avx512":
+        return "intel_skylake_avx512"
+    if has_amx is False:
+        return "amd_zen"  # AVX512-BF16 without AMX: Zen 4/5 (Cooper Lake aside)
+    return "intel_sapphire_rapids"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    cpu: CpuClass
+    gpu: GpuClass
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_classes(cls, cpu_class: str, gpu_class: str = "nvidia") -> Efficiency:
+        if cpu_class not in CPU_CLASSES:
+            raise ValueError(f"unknown CPU class {cpu_class!r}; known: {sorted(CPU_CLASSES)}")
+        if gpu_class not in GPU_CLASSES:
+            raise ValueError(f"unknown GPU class {gpu_class!r}; known: {sorted(GPU_CLASSES)}")
+        return cls(CPU_CLASSES[cpu_class], GPU_CLASSES[gpu_class])
+
+    def with_overrides(self, overrides: dict[str, Any] | None) -> Efficiency:
+        """Overrides as {"cpu.kernel_bw_fraction": 0.9, "gpu.bw_fraction": 0.85, ...}."""
+        if not overrides:
+            return self
+        cpu, gpu = self.cpu, self.gpu
+        for key, value in overrides.items():
+            part, _, name = key.partition(".")
+            target = {"cpu": cpu, "gpu": gpu}.get(part)
+            if target is None or name not in {f.name for f in fields(target)} or name in ("name", "sources"):
+                raise ValueError(f"unknown efficiency factor {key!r}; use cpu.<factor> or gpu.<factor> of "
+                                 f"{[f.name for f in fields(CpuClass)][1:-1]} / {[f.name for f in fields(GpuClass)][1:-1]}")
+            sources = {**target.sources, name: f"override ({value})"}
+            target = replace(target, **{name: float(value)}, sources=sources)
+            if part == "cpu":
+                cpu = target
+            else:
+                gpu = target
+        return Efficiency(cpu, gpu, {**self.overrides, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": asdict(self.cpu), "gpu": asdict(self.gpu), "overrides": dict(self.overrides)}

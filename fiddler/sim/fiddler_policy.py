@@ -1,0 +1,147 @@
+"""Fiddler's orchestration on the virtual clock, deciding with the engine's own code.
+
+Decisions: `fiddler.placement.place` (popularity or random under the GPU budget, the same reservation),
+`fiddler.planner.get_planner` (paper or makespan) with the latency model the engine builds from a
+hardware spec (`LatencyModel.from_hardware_spec`). Execution mirrors fiddler/executors/orchestrator.py:
+
+- attention, norms and router of every layer on the GPU (no GPU: on the CPU);
+- the CPU queue (kind c): the routed rows copied device -> host, the experts one after another on all
+  CPU threads, the results copied back; concurrently (overlap=True) with
+- the GPU queue: resident experts (a), then copied-in experts (b) through the executor's two copy
+  buffers: the copy of the next expert runs on the copy engine while the current one computes, and a
+  buffer is refilled only after the expert in it has run;
+- without overlap the CPU queue runs first, then the GPU queue.
+
+Stats carry the executor's own field names (fiddler.executors.FiddlerStats).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..executors.orchestrator import FiddlerStats, LayerStats
+from ..placement import COPY_BUFFERS, Placement, parse_placement, place
+from ..planner import COPY, CPU, GPU, get_planner
+from ..popularity import Popularity
+from .clock import Clock
+from .simulator import SimContext, SimPolicy, Step
+
+# fiddler's executor issues about this many GPU kernels for a layer's attention block (norms, q/k/v/o,
+# rope, SDPA, router, top-k): the launch floor of the block
+ATTENTION_LAUNCHES = 12
+
+
+class FiddlerSimPolicy(SimPolicy):
+    name = "fiddler"
+
+    def __init__(self, planner: str = "makespan", placement: str | Placement = "popularity",
+                 overlap: bool = True):
+        self.planner_name = planner
+        self.placement_spec = placement
+        self.overlap = bool(overlap)
+
+    def setup(self, ctx: SimContext) -> None:
+        cfg = ctx.config
+        if ctx.has_gpu:
+            if isinstance(self.placement_spec, Placement):
+                self.placement = self.placement_spec
+            else:
+                strategy, kw = parse_placement(self.placement_spec)
+                self.placement = place(cfg, ctx.dtype, ctx.gpu_budget_bytes, max_seq_len=ctx.max_seq_len,
+                                       max_batch=ctx.max_batch, strategy=strategy,
+                                       popularity=Popularity.for_config(cfg, ctx.popularity), seed=ctx.seed, **kw)
+        else:
+            self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch)
+        self.lm = ctx.hw.latency_model(cfg, ctx.dtype)
+        self.active_planner = self.planner_name if ctx.has_gpu else "cpu"
+        self.planner = get_planner(self.active_planner)
+        self._plans: dict[tuple, Any] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        layers = len(self.placement.resident) if hasattr(self, "placement") else 0
+        self.st = FiddlerStats(layers=[LayerStats() for _ in range(layers)])
+
+    def _plan(self, layer: int, counts: tuple):
+        key = (layer, counts)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.planner(list(counts), self.placement.resident[layer], self.lm)
+        return plan
+
+    def layer(self, clock: Clock, ctx: SimContext, step: Step, layer: int, routing, ready: float) -> float:
+        hw, costs = ctx.hw, ctx.costs
+        ids = routing.ids[layer]
+        counts = tuple(np.bincount(ids.ravel(), minlength=ctx.config.num_experts).tolist())
+        plan = self._plan(layer, counts)
+        eb, fpt = costs.expert_bytes, costs.expert_flops_per_token
+        nbytes, flops = costs.attention(step)
+        if not ctx.has_gpu:
+            t = clock.cpu.run(ready, hw.cpu(nbytes, flops))
+            for e in plan.experts(CPU):
+                t = clock.cpu.run(t, hw.cpu(eb, fpt * counts[e]))
+            self._account(layer, plan, ids.size)
+            return t
+
+        # attention block on the GPU, no faster than the engine's per-layer host floor
+        t_attn = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES),
+                                          hw.eff.gpu.engine_layer_overhead_s))
+        row = costs.activation_row_bytes
+        cpu_experts = plan.experts(CPU)
+        cpu_rows = sum(counts[e] for e in cpu_experts)
+
+        def cpu_queue(start: float) -> float:
+            x_ready = clock.d2h.run(start, hw.d2h(cpu_rows * row))
+            c = x_ready
+            for e in cpu_experts:
+                c = clock.cpu.run(c, hw.cpu(eb, fpt * counts[e]))
+            return clock.h2d.run(c, hw.h2d(cpu_rows * row))
+
+        c_done = t_attn
+        if cpu_experts and not self.overlap:
+            c_done = cpu_queue(t_attn)
+        g = c_done if not self.overlap else t_attn
+        for e in plan.experts(GPU):
+            g = clock.gpu.run(g, hw.gpu(eb, fpt * counts[e]))
+        computed: list[float] = []  # when each copied-in expert has run (its buffer is free again)
+        for i, e in enumerate(plan.experts(COPY)):
+            buffer_free = computed[i - COPY_BUFFERS] if i >= COPY_BUFFERS else t_attn
+            copied = clock.h2d.run(buffer_free, hw.h2d(eb))
+            g = clock.gpu.run(max(g, copied), hw.gpu(eb, fpt * counts[e]))
+            computed.append(g)
+        if cpu_experts and self.overlap:
+            c_done = cpu_queue(t_attn)
+        n_copies = len(plan.experts(COPY))
+        self.st.weight_copies += n_copies
+        self.st.bytes_h2d_weights += n_copies * eb
+        self.st.bytes_d2h_activations += cpu_rows * row
+        self.st.bytes_h2d_activations += cpu_rows * row
+        self._account(layer, plan, ids.size)
+        return max(g, c_done)
+
+    def _account(self, layer: int, plan, routed: int) -> None:
+        st, ls = self.st, self.st.layers[layer]
+        st.calls += 1
+        ls.calls += 1
+        st.routed_tokens += routed
+        for n, kind in zip(plan.counts, plan.decisions):
+            if kind is not None:
+                st.tokens[kind] += n
+                st.experts[kind] += 1
+                ls.tokens[kind] += n
+                ls.experts[kind] += 1
+        st.predicted_s += plan.makespan
+        ls.predicted_s += plan.makespan
+
+    def stats(self) -> dict[str, Any]:
+        d = self.st.to_dict()
+        d.pop("layers")  # per-layer detail stays out of records (as in execute mode's summary)
+        d.pop("wall_s")
+        d.pop("cpu_queue_s")
+        return d
+
+    def info(self) -> dict[str, Any]:
+        return {"policy": self.name, "planner": self.active_planner, "overlap": self.overlap,
+                "placement": {k: v for k, v in self.placement.to_dict().items() if k != "resident"},
+                "latency_model": {k: v for k, v in self.lm.to_dict().items() if k not in ("meta", "samples")}}

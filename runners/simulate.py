@@ -1,0 +1,180 @@
+"""`mode=simulate`: a job's configurations on the virtual clock (fiddler/sim), in this process, no weights.
+
+The model comes from `model.arch`, the machine from the environment (runners.hardware_spec plus the
+efficiency factors of its hardware class, `sim.efficiency` overrides), the routing from `sim.*`, and the
+policy from the system's own config (`SystemConfig.sim_policy`). Records carry the same metric fields as
+execute mode, `mode: simulate`, and a `simulation` block naming the spec, the efficiency factors and
+their sources, and the routing (profile or trace, reuse parameter).
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from omegaconf import OmegaConf
+
+from baselines.base import SystemUnavailable, one_line
+from runners import measure, records
+from runners.hardware_spec import hardware_spec
+from runners.session import Job, base_record, timing
+
+CONF_DIR = records.PROJECT_ROOT / "conf"
+
+
+def model_config(arch: dict[str, Any]):
+    """fiddler.config.MoEConfig from a model's `arch` (Hugging Face config fields)."""
+    from fiddler.config import MoEConfig
+
+    cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], **arch}
+    return MoEConfig.from_dict(cfg)
+
+
+def card_memory_gb(env: dict[str, Any]) -> float | None:
+    """The GPU memory the environment's yaml gives its card (None for local / unknown)."""
+    path = CONF_DIR / "environment" / f"{env.get('name')}.yaml"
+    if not path.is_file():
+        return None
+    try:
+        value = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get("gpu", {}).get("memory_gb")
+        return float(value)
+    except (TypeError, ValueError):
+        return None  # detected (local)
+
+
+def gpu_budget(config: dict[str, Any]) -> tuple[float, str]:
+    """(GB, where it came from): system.gpu_budget_gb where the system has it set, else the environment's."""
+    sys_budget = (config.get("system") or {}).get("gpu_budget_gb")
+    if sys_budget is not None:
+        return float(sys_budget), "system.gpu_budget_gb"
+    return float(config["environment"]["gpu"].get("memory_gb") or 0), "environment.gpu.memory_gb"
+
+
+def budget_info(config: dict[str, Any]) -> dict[str, Any]:
+    """The budget simulated, and whether it differs from the card's memory (a budget sweep beyond the card
+    is labelled as such)."""
+    gb, source = gpu_budget(config)
+    card = card_memory_gb(config["environment"])
+    info = {"budget_gb": gb, "source": source, "card_memory_gb": card}
+    if card is not None and abs(gb - card) > 1e-9:
+        info["override"] = "beyond the card's memory" if gb > card else "below the card's memory"
+    return info
+
+
+class SimSetup:
+    """Everything of a job that does not depend on the workload point: model, machine, routing, policy."""
+
+    def __init__(self, job: Job):
+        from baselines.fiddler_engine.profiles import reference_popularity
+        from fiddler.popularity import Popularity
+        from fiddler.sim import Efficiency, ProfileRouting, SimContext, SimHardware, RoutingTrace, TraceRouting
+        from fiddler.sim import cpu_class_of
+
+        cfg = job.config
+        env, sim, model = cfg["environment"], cfg["sim"], cfg["model"]
+        self.config = model_config(model["arch"])
+        self.dtype = getattr(torch, model["dtype"])
+        spec = hardware_spec(env)
+        cpu_class = sim.get("cpu_class") or cpu_class_of(env["cpu"]["name"], env["cpu"]["isa"],
+                                                         _host_amx() if env["name"] == "local" else None)
+        eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(sim.get("efficiency"))
+        self.hw = SimHardware.build(spec, eff, measured_limit=not env.get("described"))
+        gb, _ = gpu_budget(cfg)
+        budget = int(gb * 2**30) if gb > 0 and self.hw.has_gpu else None
+
+        reference = reference_popularity(model["name"])
+        if reference is not None:
+            reference.check_shape(self.config)
+        placement_pop = (cfg["system"].get("popularity_profile") or reference)
+        self.placement_popularity = Popularity.for_config(self.config, placement_pop)
+        routing = sim["routing"]
+        if routing == "auto":
+            routing = "trace" if sim.get("trace") else "profile"
+        if routing == "trace":
+            trace = RoutingTrace.load(sim["trace"])
+            trace.check_shape(self.config)
+            self.routing = TraceRouting(trace, speculative_recall=sim["speculative_recall"], seed=sim["seed"])
+        else:
+            if routing == "profile":
+                pop = Popularity.load(sim["profile"], top_k=self.config.top_k) if sim.get("profile") else reference
+            else:
+                pop = None
+            pop = Popularity.for_config(self.config, pop)  # None: uniform
+            self.routing = ProfileRouting(pop, reuse=sim["reuse"], speculative_recall=sim["speculative_recall"],
+                                          seed=sim["seed"])
+        self.ctx = SimContext(self.config, self.dtype, self.hw, budget,
+                              max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
+                              max_batch=max(p["beam_width"] for p in job.points), seed=int(sim["seed"]),
+                              popularity=self.placement_popularity)
+        self.policy = job.system_config.sim_policy()
+        self.policy.setup(self.ctx)
+
+    def describe(self, env: dict[str, Any]) -> dict[str, Any]:
+        return {"spec": {"environment": env["name"], "source": env.get("source"), **self.hw.to_dict()},
+                "cpu_class": self.hw.eff.cpu.name, "gpu_class": self.hw.eff.gpu.name,
+                "efficiency_sources": {"cpu": self.hw.eff.cpu.sources, "gpu": self.hw.eff.gpu.sources},
+                "routing": self.routing.describe(),
+                "placement_popularity": self.placement_popularity.meta.get("source"),
+                "gpu_budget_bytes": self.ctx.gpu_budget_bytes, "max_seq_len": self.ctx.max_seq_len,
+                "max_batch": self.ctx.max_batch}
+
+
+def _host_amx() -> bool | None:
+    try:
+        from fiddler import kernels
+
+        return bool(kernels.features().get("amx_bf16"))
+    except Exception:  # noqa: BLE001 -- no kernel: unknown
+        return None
+
+
+def measure_all(job: Job, todo: list[int], progress=None, current: list | None = None) -> Iterator[dict[str, Any]]:
+    """Records of the job's points `todo`, simulated."""
+    from fiddler.sim import simulate
+
+    start = time.perf_counter()
+    setup = failed = None
+    try:
+        setup = SimSetup(job)
+    except SystemUnavailable as exc:
+        failed = ("skipped", str(exc))
+    except (ValueError, FileNotFoundError) as exc:
+        failed = ("error", f"simulation setup failed: {one_line(exc)}")
+    load_s = time.perf_counter() - start
+    env = job.config["environment"]
+    for index in todo:
+        if current is not None:
+            current[0] = index
+        if progress is not None:
+            progress.start(index)
+        t0 = time.perf_counter()
+        if failed is not None:
+            rec = base_record(job, index, *failed)
+            rec["environment_info"]["gpu_budget"] = budget_info(job.config)
+            rec["timing"] = timing(load_s, None)
+            yield rec
+            continue
+        p = job.points[index]
+        rec = base_record(job, index, "ok", None)
+        rec["environment_info"]["gpu_budget"] = budget_info(job.config)
+        rec["method"] = {"timer": "virtual clock (fiddler.sim)", "warmup": 0, "repetitions": 1,
+                         "deterministic": True, "isolation": "inline"}
+        rec["simulation"] = setup.describe(env)
+        try:
+            r = simulate(setup.policy, setup.ctx, setup.routing, p["input_len"], p["output_len"], p["beam_width"])
+        except Exception as exc:  # noqa: BLE001 -- a point the model cannot simulate is an error record
+            rec.update(status="error", reason=one_line(exc), traceback=traceback.format_exc(limit=8))
+        else:
+            sample = measure.Sample(r.ttft_s, r.decode_s, r.tokens, {})
+            rec["metrics"] = measure.metrics_of([sample], p["input_len"], p["output_len"], 1)
+            rec["raw"] = measure.raw_of([sample])
+            rec["stats"] = {"executor": r.stats, "ttft_s": r.ttft_s, "decode_s": r.decode_s,
+                            "lanes_busy_s": r.lanes_busy_s}
+            rec["system_info"] = setup.policy.info()
+            rec["method"]["token_accounting"] = "returned_sequence"
+        rec["timing"] = timing(load_s, time.perf_counter() - t0)
+        if current is not None:
+            current[0] = None
+        yield rec

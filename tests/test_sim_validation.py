@@ -1,0 +1,40 @@
+"""The simulator's validation (runners/validate_sim.py): (2) the RTX 6000 Ada baseline runs, (3) the
+paper's Fig. 4 orderings, (1) this host's execute vs simulate on small_mixtral (slow)."""
+from __future__ import annotations
+
+import pytest
+
+from runners import validate_sim
+
+
+@pytest.fixture(scope="module")
+def ada():
+    return validate_sim.check_ada6000()
+
+
+def test_deepspeed_zero_inference_matches_the_ada6000_runs_within_30_percent(ada):
+    rows, passed = ada
+    ds = [r for r in rows if r["system"] == "deepspeed_mii"]
+    assert len(ds) == 20 * 2 + 6  # every single-batch point (TTFT and decode) and every long prefill
+    assert passed["deepspeed_mii"], [r for r in ds if not r["pass"]]
+
+
+@pytest.mark.xfail(strict=True, reason="known miss, reported in results/paper/validation.md: the measured "
+                   "Mixtral-Offloading runs are 2.2-2.4x slower than our policy's physics (LRU cache sized from "
+                   "48 GB, copies at the environment's 25 GB/s); not fitted")
+def test_mixtral_offloading_matches_the_ada6000_runs_within_30_percent(ada):
+    _, passed = ada
+    assert passed["mixtral_offloading"]
+
+
+def test_every_pairwise_ordering_of_the_papers_fig4_holds():
+    values, orders, ok = validate_sim.check_fig4()
+    assert len(orders) == 12 and len(values) == 8
+    assert ok, [o for o in orders if not o["match"]]
+    assert all(v["ratio"] is not None for v in values)
+
+
+def test_this_hosts_committed_execute_records_are_simulated_within_bounds():
+    rows, ok = validate_sim.check_host_records()
+    assert len(rows) == 3 * 2 * 2  # three sweeps x fiddler, llama_cpp x decode, TTFT
+    assert ok, [r for r in rows if not r["pass"]]

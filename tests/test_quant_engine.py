@@ -167,3 +167,31 @@ def test_harness_options():
     c = LlamaCppConfig.build(quant="q4_0")
     assert c.quant_policy.value == "pure"
     assert LlamaCppConfig.build(quant="q4_0", quant_policy="llama").quant_policy.value == "llama"
+
+
+def test_simulator_counts_quantized_bytes():
+    """mode=simulate with system.quant: the cost model, placement and latency model use the block bytes;
+    on the same budget more experts are resident and decode is faster (Mixtral-8x7B on an RTX 4090 spec)."""
+    from baselines.fiddler_engine.profiles import reference_popularity
+    from fiddler.latency import HardwareSpec
+    from fiddler.sim import Efficiency, FiddlerSimPolicy, ModelCosts, ProfileRouting, SimContext, SimHardware, simulate
+
+    cfg = MoEConfig.from_dict(dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                   num_local_experts=8, num_experts_per_tok=2, vocab_size=32000))
+    c16, c4 = ModelCosts(cfg, torch.bfloat16), ModelCosts(cfg, torch.bfloat16, "q4_0")
+    assert c4.expert_bytes == cfg.expert_bytes(torch.bfloat16, "q4_0") < c16.expert_bytes
+    assert c4.head_bytes == c16.head_bytes and c4.layer_bytes < c16.layer_bytes
+    hw = SimHardware.build(HardwareSpec(1008, 165, 25, 83.2, 16, "avx512_bf16", 25), Efficiency.for_classes("amd_zen"),
+                           measured_limit=False)
+    pop = reference_popularity("mixtral_8x7b")
+    res = {}
+    for q in (None, "q4_0"):
+        pol = FiddlerSimPolicy(quant=q)
+        ctx = SimContext(cfg, torch.bfloat16, hw, 24 << 30, max_seq_len=96, max_batch=1, popularity=pop,
+                         quant=pol.weight_quant)
+        pol.setup(ctx)
+        r = simulate(pol, ctx, ProfileRouting(pop, seed=0), 32, 16)
+        res[q] = (pol.placement.num_resident, r)
+    assert res["q4_0"][0] > 3 * res[None][0]
+    assert res["q4_0"][1].decode_s < res[None][1].decode_s

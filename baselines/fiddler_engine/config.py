@@ -39,4 +39,4 @@ class FiddlerConfig(EngineSystemConfig):
         from fiddler.sim import FiddlerSimPolicy
 
         return FiddlerSimPolicy(planner=self.planner.value, placement=self.placement.value,
-                                overlap=self.overlap is not False)
+                                overlap=self.overlap is not False, quant=self.quant)

@@ -37,18 +37,20 @@ class Step:
 class ModelCosts:
     """Bytes and FLOPs of the non-expert work and of one expert, per step."""
 
-    def __init__(self, config: MoEConfig, dtype: torch.dtype):
-        self.config, self.dtype = config, dtype
+    def __init__(self, config: MoEConfig, dtype: torch.dtype, quant: str | None = None):
+        self.config, self.dtype, self.quant = config, dtype, quant
         s = dtype.itemsize
         self.itemsize = s
         self.layer_params = config.layer_non_expert_params()
-        self.layer_bytes = self.layer_params * s
-        self.expert_bytes = int(config.expert_bytes(dtype))
+        dense_layer_bytes = self.layer_params * s
+        # quant (fiddler.quant): the attention projections and experts as llama.cpp blocks
+        self.layer_bytes = dense_layer_bytes - config.attention_bytes(dtype) + config.attention_bytes(dtype, quant)
+        self.expert_bytes = int(config.expert_bytes(dtype, quant))
         self.expert_flops_per_token = 2 * config.expert_params()
         self.kv_bytes_per_position = config.kv_cache_bytes(1, 1, dtype) / config.num_layers  # one layer, one row
         # final norm + lm_head: what non_expert_bytes counts beyond the layers and the input embedding
         emb = config.vocab_size * config.hidden_size * s
-        self.head_bytes = config.non_expert_bytes(dtype) - config.num_layers * self.layer_bytes - emb
+        self.head_bytes = config.non_expert_bytes(dtype) - config.num_layers * dense_layer_bytes - emb
         if config.tie_word_embeddings:  # the lm_head matmul reads the embedding matrix
             self.head_bytes += emb
         self.head_params = self.head_bytes // s
@@ -84,10 +86,11 @@ class SimContext:
     max_batch: int
     seed: int = 0
     popularity: Popularity | None = None  # for placement; None = uniform
+    quant: str | None = None  # expert/attention weights as llama.cpp blocks (fiddler.quant); None = dtype
     costs: ModelCosts = field(init=False)
 
     def __post_init__(self):
-        self.costs = ModelCosts(self.config, self.dtype)
+        self.costs = ModelCosts(self.config, self.dtype, self.quant)
 
     @property
     def has_gpu(self) -> bool:
@@ -99,6 +102,8 @@ class SimPolicy(abc.ABC):
     `embed`/`head` run on the GPU when there is one, else on the CPU."""
 
     name: str = "policy"
+    # the weight type whose bytes the run's costs count (SimContext.quant); None = the model dtype
+    weight_quant: str | None = None
 
     @abc.abstractmethod
     def setup(self, ctx: SimContext) -> None:

@@ -62,7 +62,7 @@ def ref_linear(blocks, fmt, k, x, mode):
 def ref_expert(e: "fq.QuantExpert", x, mode):
     w1, w3, w2 = e.dequantized(torch.float64)
     xr = acts_q8_0(x) if mode == "a8" else x.double()
-    h = (F.silu(xr @ w1.T) * (xr @ w3.T)).to(torch.bfloat16)  # the kernel rounds h to bf16 once
+    h = (F.silu(xr @ w1.T) * (xr @ w3.T)).float()  # the quantized path keeps h in fp32, as llama.cpp does
     hr = acts_q8_0(h) if mode == "a8" else h.double()
     return hr @ w2.T
 
@@ -142,8 +142,9 @@ def test_expert_and_moe_against_fp64(isa, mode, fmt, hidden, ffn, tokens):
     refs = [ref_expert(e, x, mode) for e in experts]
     ys = [e(x) for e in experts]
     for y, r in zip(ys, refs):
-        # bf16 output and h rounded to bf16 (a rounding flip of h can move one activation block's scale)
-        assert rel(y, r) < 1e-2, rel(y, r)
+        # the bf16 output's rounding (2^-9 relative per element); a8: a last-bit difference of h can move
+        # one activation block's scale
+        assert rel(y, r) < 3e-3, rel(y, r)
     wts = torch.tensor([0.5, 0.3, 0.2]).to(torch.bfloat16)
     out = fq.moe_ffn(experts, wts, x)
     # the same roundings as the executor's torch combine of the per-expert outputs

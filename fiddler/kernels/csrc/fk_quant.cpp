@@ -103,13 +103,18 @@ void mk_w_generic(int fmt, const uint8_t* w, int64_t units, const float* x, int6
 
 }  // namespace
 
-void quant_row_generic(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+namespace {
+inline float as_f32(uint16_t v) { return bf16_to_f32(v); }
+inline float as_f32(float v) { return v; }
+
+template <class T>
+void quant_row_t(const T* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
   float v[kQK];
   for (int64_t kb = 0; kb < kp / kQK; ++kb) {
     float amax = 0.0f;
     for (int i = 0; i < kQK; ++i) {
       const int64_t c = kb * kQK + i;
-      v[i] = c < k ? bf16_to_f32(x[c]) : 0.0f;
+      v[i] = c < k ? as_f32(x[c]) : 0.0f;
       amax = std::max(amax, std::fabs(v[i]));
     }
     const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
@@ -123,8 +128,20 @@ void quant_row_generic(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, floa
     s[kb] = sum;
   }
 }
+}  // namespace
 
-extern const QuantOps kQuantGenericOps = {"generic", 4, mk_a8_generic, mk_w_generic, quant_row_generic};
+void quant_row_generic(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  quant_row_t(x, k, kp, q, d, s);
+}
+void quant_row_f32_generic(const float* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  quant_row_t(x, k, kp, q, d, s);
+}
+void silu_mul_f32_generic(const float* a, const float* b, int64_t n, float* h) {
+  for (int64_t i = 0; i < n; ++i) h[i] = a[i] / (1.0f + std::exp(-a[i])) * b[i];
+}
+
+extern const QuantOps kQuantGenericOps = {"generic", 4, mk_a8_generic, mk_w_generic, quant_row_generic,
+                                          quant_row_f32_generic, silu_mul_f32_generic};
 
 // ---------------------------------------------------------------- mode and path
 namespace {
@@ -309,16 +326,26 @@ struct Acts {
   int64_t kp = 0;
 };
 
-// bf16 rows x[tokens][k] (row stride ldx) -> the mode's activations with K padded to kp with zeros.
-// a8: per 32-block d = amax / 127 rounded to fp16 (used as such), q = round-half-even(x * 127 / amax),
-// as llama.cpp's x86 quantize_row_q8_0 does.
-void prepare_acts(int mode, const uint16_t* x, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
+// bf16 or fp32 rows x[tokens][k] (row stride ldx) -> the mode's activations with K padded to kp with
+// zeros. a8: per 32-block d = amax / 127 rounded to fp16 (used as such), q = round-half-even(x * 127 /
+// amax), as llama.cpp's x86 quantize_row_q8_0 does.
+inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
+inline float to_f32(float v) { return v; }
+inline void quant_row(const QuantOps& ops, const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  ops.quant_row(x, k, kp, q, d, s);
+}
+inline void quant_row(const QuantOps& ops, const float* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  ops.quant_row_f32(x, k, kp, q, d, s);
+}
+
+template <class T>
+void prepare_acts(int mode, const T* x, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
   a.kp = kp;
   const int64_t nkb = kp / kQK;
   if (mode == kQModeW) {
     float* f = qscratch(a.f, size_t(tokens * kp));
     for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < k; ++i) f[t * kp + i] = bf16_to_f32(x[t * ldx + i]);
+      for (int64_t i = 0; i < k; ++i) f[t * kp + i] = to_f32(x[t * ldx + i]);
       for (int64_t i = k; i < kp; ++i) f[t * kp + i] = 0.0f;
     }
     return;
@@ -327,7 +354,7 @@ void prepare_acts(int mode, const uint16_t* x, int64_t ldx, int64_t tokens, int6
   float* d = qscratch(a.d, size_t(tokens * nkb));
   int32_t* s = qscratch(a.s, size_t(tokens * nkb));
   const QuantOps& ops = qops();
-  for (int64_t t = 0; t < tokens; ++t) ops.quant_row(x + t * ldx, k, kp, q + t * kp, d + t * nkb, s + t * nkb);
+  for (int64_t t = 0; t < tokens; ++t) quant_row(ops, x + t * ldx, k, kp, q + t * kp, d + t * nkb, s + t * nkb);
 }
 
 // acc[tokens][16] for one row group's stream w (all tokens, token groups of ops.mr)
@@ -347,7 +374,7 @@ void rowgroup_product(const QuantOps& ops, int mode, int fmt, const uint8_t* w, 
 thread_local std::vector<float> t_qacc;
 thread_local Acts t_ax;
 thread_local std::vector<Acts> t_ah;
-thread_local std::vector<uint16_t> t_qh;
+thread_local std::vector<float> t_qh;
 thread_local std::vector<uint16_t> t_qy;
 
 bool bad_fmt(int fmt) { return fmt < 0 || fmt >= kNumQFormats; }
@@ -381,12 +408,12 @@ int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x
 
 namespace {
 // The gate/up pass of expert e's row groups [g0, g1): h[t][rg*16 ..] = bf16(silu(W1 x) * (W3 x)).
-void gate_up_rows(const QuantOps& ops, const IsaOps& vo, int mode, int fmt, const uint8_t* w13, int64_t units13,
-                  int64_t rgb13, const Acts& a, int64_t tokens, int64_t rg, uint16_t* h, int64_t ldh, float* acc) {
+void gate_up_rows(const QuantOps& ops, int mode, int fmt, const uint8_t* w13, int64_t units13,
+                  int64_t rgb13, const Acts& a, int64_t tokens, int64_t rg, float* h, int64_t ldh, float* acc) {
   rowgroup_product(ops, mode, fmt, w13 + (2 * rg) * rgb13, units13, a, tokens, acc);
   rowgroup_product(ops, mode, fmt, w13 + (2 * rg + 1) * rgb13, units13, a, tokens, acc + tokens * kQRows);
   for (int64_t t = 0; t < tokens; ++t)
-    vo.silu_mul(acc + t * kQRows, acc + (tokens + t) * kQRows, kQRows, h + t * ldh + rg * kQRows);
+    ops.silu_mul_f32(acc + t * kQRows, acc + (tokens + t) * kQRows, kQRows, h + t * ldh + rg * kQRows);
 }
 }  // namespace
 
@@ -416,22 +443,22 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
   const int64_t ldh = kp_f, h_stride = tokens * ldh;
   prepare_acts(mode, x, hidden, tokens, hidden, kp_h, t_ax);
   const Acts& ax = t_ax;
-  uint16_t* h = qscratch(t_qh, size_t(n_experts * h_stride));
+  float* h = qscratch(t_qh, size_t(n_experts * h_stride));  // fp32, as llama.cpp keeps it
   const int64_t items1 = n_experts * rg_f;
   pool().run(thread_count(threads, items1, 2 * items1 * rgb13, tokens), items1, 1, [&](int64_t i0, int64_t i1) {
     float* acc = qscratch(t_qacc, size_t(2 * tokens * kQRows));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / rg_f, rg = i % rg_f;
-      gate_up_rows(ops, vo, mode, fmt, static_cast<const uint8_t*>(p13[e]), u_h, rgb13, ax, tokens, rg,
+      gate_up_rows(ops, mode, fmt, static_cast<const uint8_t*>(p13[e]), u_h, rgb13, ax, tokens, rg,
                    h + e * h_stride, ldh, acc);
     }
   });
   // h's columns past the last row group (K padding of the down pass) are zero
   if (t_ah.size() < size_t(n_experts)) t_ah.resize(size_t(n_experts));
   for (int e = 0; e < n_experts; ++e) {
-    uint16_t* he = h + e * h_stride;
+    float* he = h + e * h_stride;
     for (int64_t t = 0; t < tokens; ++t)
-      std::memset(he + t * ldh + rg_f * kQRows, 0, size_t(ldh - rg_f * kQRows) * 2);
+      std::memset(he + t * ldh + rg_f * kQRows, 0, size_t(ldh - rg_f * kQRows) * sizeof(float));
     prepare_acts(mode, he, ldh, tokens, ldh, kp_f, t_ah[size_t(e)]);
   }
   uint16_t* ye = qscratch(t_qy, size_t(n_experts * tokens * hidden));

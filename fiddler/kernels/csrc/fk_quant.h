@@ -83,8 +83,14 @@ struct QuantOps {
   // a8 activations of one bf16 row x[k] (zero-padded to kp): q[kp], d[kp/32], s[kp/32] (see QActs);
   // every path gives the same bits (exact max, IEEE divide and multiply, round-half-even)
   void (*quant_row)(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
+  // the same for an fp32 row (an expert's hidden activations, which stay fp32 as in llama.cpp)
+  void (*quant_row_f32)(const float* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
+  // h[i] = silu(a[i]) * b[i] in fp32, i < n
+  void (*silu_mul_f32)(const float* a, const float* b, int64_t n, float* h);
 };
 void quant_row_generic(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
+void quant_row_f32_generic(const float* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
+void silu_mul_f32_generic(const float* a, const float* b, int64_t n, float* h);
 
 extern const QuantOps kQuantGenericOps;
 #if defined(__x86_64__)

@@ -153,7 +153,8 @@ void mk_w(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, 
 
 }  // namespace
 
-extern const QuantOps kQuantAvx2Ops = {"avx2", kMr, mk_a8, mk_w, quant_row_generic};
+extern const QuantOps kQuantAvx2Ops = {"avx2", kMr, mk_a8, mk_w, quant_row_generic, quant_row_f32_generic,
+                                       silu_mul_f32_generic};
 
 }  // namespace fk
 

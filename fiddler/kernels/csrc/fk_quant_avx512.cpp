@@ -181,17 +181,29 @@ void mk_w(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, 
   }
 }
 
-// One bf16 row to Q8_0 activations, 32 values (two zmm of fp32) per block; the same arithmetic as
-// quant_row_generic (exact max, IEEE 127 / amax, x * id rounded half to even), so the same bits.
-void quant_row(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+// One bf16 or fp32 row to Q8_0 activations, 32 values (two zmm of fp32) per block; the same
+// arithmetic as quant_row_generic (exact max, IEEE 127 / amax, x * id rounded half to even), so the
+// same bits.
+inline void load32(const uint16_t* x, int64_t n, __m512& v0, __m512& v1) {
+  const __mmask32 m = n >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1);
+  const __m512i raw = _mm512_maskz_loadu_epi16(m, x);  // 32 bf16, zero past n
+  v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+  v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+}
+inline void load32(const float* x, int64_t n, __m512& v0, __m512& v1) {
+  const __mmask16 m0 = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+  const __mmask16 m1 = n >= 32 ? __mmask16(0xffff) : (n > 16 ? __mmask16((1u << (n - 16)) - 1) : __mmask16(0));
+  v0 = _mm512_maskz_loadu_ps(m0, x);
+  v1 = _mm512_maskz_loadu_ps(m1, x + 16);
+}
+
+template <class T>
+void quant_row_t(const T* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
   for (int64_t kb = 0; kb < kp / kQK; ++kb) {
     const int64_t c0 = kb * kQK;
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kQK, k - c0));
-    const __mmask32 m = n >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1);
-    const __m512i raw = _mm512_maskz_loadu_epi16(m, x + c0);  // 32 bf16, zero past k
-    const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-    const __m512 v1 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    __m512 v0, v1;
+    load32(x + c0, n, v0, v1);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     d[kb] = half_to_f32(f32_to_half(amax / 127.0f));
@@ -203,10 +215,24 @@ void quant_row(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, in
     s[kb] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
+void quant_row(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  quant_row_t(x, k, kp, q, d, s);
+}
+void quant_row_f32(const float* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
+  quant_row_t(x, k, kp, q, d, s);
+}
 
 }  // namespace
 
-extern const QuantOps kQuantAvx512Ops = {"avx512_vnni", kMr, mk_a8, mk_w, quant_row};
+// silu(a) * b in fp32: the AVX512 path's exp (fk_avx512.cpp) where the CPU has AVX512F+DQ (every
+// avx512_bf16 CPU), else the portable one
+void silu_mul_f32(const float* a, const float* b, int64_t n, float* h) {
+  static const bool avx512 = __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512f");
+  if (avx512) silu_mul_f32_avx512(a, b, n, h);
+  else silu_mul_f32_generic(a, b, n, h);
+}
+
+extern const QuantOps kQuantAvx512Ops = {"avx512_vnni", kMr, mk_a8, mk_w, quant_row, quant_row_f32, silu_mul_f32};
 
 }  // namespace fk
 

@@ -371,6 +371,17 @@ void rowgroup_product(const QuantOps& ops, int mode, int fmt, const uint8_t* w, 
   }
 }
 
+// A thread that claims a range of row groups jumps to a new place in the weights, where its stream
+// prefetch (a fixed distance ahead of its loads) has not run yet: the first `distance` bytes would be
+// demand misses one after another. Prefetch them at once (and the L2 prefetch's window into L2).
+void warm_stream(const uint8_t* p, int64_t bytes) {
+  const StreamTuning st = stream_tuning();
+  const int64_t near = std::min<int64_t>(bytes, st.hint != kHintNone ? st.distance : 0);
+  const int64_t far = std::min<int64_t>(bytes, st.far);
+  for (int64_t l = 0; l < near; l += 64) __builtin_prefetch(p + l, 0, 3);
+  for (int64_t l = near; l < far; l += 64) __builtin_prefetch(p + l, 0, 2);
+}
+
 thread_local std::vector<float> t_qacc;
 thread_local Acts t_ax;
 thread_local std::vector<Acts> t_ah;
@@ -395,6 +406,7 @@ int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x
   const auto* w = static_cast<const uint8_t*>(packed);
   pool().run(thread_count(threads, n_rg, n_rg * rgb, tokens), n_rg, 1, [&](int64_t g0, int64_t g1) {
     float* acc = qscratch(t_qacc, size_t(tokens * kQRows));
+    warm_stream(w + g0 * rgb, (g1 - g0) * rgb);
     for (int64_t rg = g0; rg < g1; ++rg) {
       rowgroup_product(ops, mode, fmt, w + rg * rgb, units, a, tokens, acc);
       const int64_t nv = std::min<int64_t>(kQRows, n - rg * kQRows);
@@ -447,6 +459,7 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
   const int64_t items1 = n_experts * rg_f;
   pool().run(thread_count(threads, items1, 2 * items1 * rgb13, tokens), items1, 1, [&](int64_t i0, int64_t i1) {
     float* acc = qscratch(t_qacc, size_t(2 * tokens * kQRows));
+    warm_stream(static_cast<const uint8_t*>(p13[i0 / rg_f]) + (i0 % rg_f) * 2 * rgb13, 2 * rgb13);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / rg_f, rg = i % rg_f;
       gate_up_rows(ops, mode, fmt, static_cast<const uint8_t*>(p13[e]), u_h, rgb13, ax, tokens, rg,
@@ -466,6 +479,7 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
   const int64_t items2 = n_experts * rg_h;
   pool().run(thread_count(threads, items2, items2 * rgb2, tokens), items2, 1, [&](int64_t i0, int64_t i1) {
     float* acc = qscratch(t_qacc, size_t(tokens * kQRows));
+    warm_stream(static_cast<const uint8_t*>(p2[i0 / rg_h]) + (i0 % rg_h) * rgb2, rgb2);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / rg_h, rg = i % rg_h;
       rowgroup_product(ops, mode, fmt, static_cast<const uint8_t*>(p2[e]) + rg * rgb2, u_f, ah[size_t(e)], tokens,

@@ -46,7 +46,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
              float* acc, int64_t dist) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576, qb = Fmt == kQ8_0 ? 512 : 256;
   constexpr int zero = Fmt == kQ8_0 ? 128 : 8;
-  constexpr int NA = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  constexpr int NA = Fmt == kQ8_0 ? 1 : (M <= 2 ? 2 : 1);
   const int64_t nkb = kp / kQK;
   __m512 f[M];
   for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();

@@ -84,23 +84,22 @@ class QuantizedLinear:
         return self.packed.forward(x, out=out, threads=self.threads, out_dtype=out_dtype or x.dtype)
 
 
-def quantize_experts(experts, quant: str, cache: dict[str, torch.Tensor] | None = None, progress=None):
+def quantize_experts(experts, quant: str, cache: dict[str, torch.Tensor] | None = None, pin: bool = False):
     """experts [layer][expert] ExpertWeights (dense) -> ExpertWeights of block bytes, in place of the dense
     ones (freed expert by expert). `cache`: tensors by name ("l{l}.e{e}.w1", ...) to take instead of
-    quantizing; filled with what was quantized."""
+    quantizing; filled with what was quantized. pin: page-locked host copies (CUDA copies them in)."""
     from .weights import ExpertWeights
 
     for l, layer in enumerate(experts):
         for e, w in enumerate(layer):
             names = [f"l{l}.e{e}.{n}" for n in ("w1", "w3", "w2")]
             if cache is not None and all(n in cache for n in names):
-                layer[e] = ExpertWeights(*(cache[n] for n in names))
+                blocks = [cache[n] for n in names]
             else:
-                layer[e] = ExpertWeights(*(quantize_blocks(t, quant) for t in (w.w1, w.w3, w.w2)))
+                blocks = [quantize_blocks(t, quant) for t in (w.w1, w.w3, w.w2)]
                 if cache is not None:
-                    cache.update(zip(names, (layer[e].w1, layer[e].w3, layer[e].w2)))
-            if progress is not None:
-                progress()
+                    cache.update(zip(names, blocks))
+            layer[e] = ExpertWeights(*(b.pin_memory() if pin else b for b in blocks))
     return experts
 
 

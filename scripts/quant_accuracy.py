@@ -43,6 +43,9 @@ def fiddler_logits(path, quant, prompts) -> list[torch.Tensor]:
     from fiddler import Engine
 
     e = Engine.from_pretrained(path, quant=quant, max_seq_len=max(len(p) for p in prompts) + 8)
+    # The CPU kernel for every linear at every token count: fp32 logits, and no load-time measurement
+    # (kernel vs torch at many tokens, which varies with the machine's load) deciding the numerics.
+    e.model.set_kernel_max_tokens(1 << 30)
     out = [e.forward_logits(torch.tensor(p)).float().clone() for p in prompts]
     del e
     gc.collect()

@@ -195,3 +195,32 @@ def test_simulator_counts_quantized_bytes():
         res[q] = (pol.placement.num_resident, r)
     assert res["q4_0"][0] > 3 * res[None][0]
     assert res["q4_0"][1].decode_s < res[None][1].decode_s
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_cuda_gpu_side_dequantizes_block_bytes(quant, tmp_path):
+    """On CUDA: resident and copied-in experts live on the GPU as block bytes (the copies move exactly
+    the quantized bytes) and are dequantized there; logits agree with the CPU-only engine (w mode)."""
+    path = model_path("e8k2")
+    cfg = MoEConfig.from_pretrained(path)
+    fk.quant.set_mode("w")
+    try:
+        cpu = Engine.from_pretrained(path, quant=quant, quant_cache=tmp_path, gpu=GpuSide.none())
+        budget = sum(place(cfg, torch.bfloat16, 1 << 40, max_seq_len=256, max_batch=4, quant=quant)
+                     .reserved.values()) + 5 * cfg.expert_bytes(torch.bfloat16, quant)
+        gpu = Engine.from_pretrained(path, quant=quant, quant_cache=tmp_path, max_seq_len=256,
+                                     gpu=GpuSide.cuda(budget), executor=FiddlerPolicy(placement="popularity"))
+        ex = gpu.executor
+        assert 0 < ex.placement.num_resident < cfg.num_layers * cfg.num_experts
+        assert all(b.w1.dtype == torch.uint8 and b.w1.is_cuda for b in ex.buffers)
+        ids = prompt(20, 512)
+        lc, lg = cpu.forward_logits(ids), gpu.forward_logits(ids).cpu()
+        assert ((lc - lg).norm() / lc.norm()).item() < 3e-2
+        st = ex.stats
+        if st.weight_copies:
+            assert st.bytes_h2d_weights == st.weight_copies * cfg.expert_bytes(torch.bfloat16, quant)
+        assert gpu.generate(ids, max_new_tokens=4).tokens.shape[0] == 4
+    finally:
+        fk.quant.set_mode("auto")

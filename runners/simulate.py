@@ -76,10 +76,14 @@ class SimSetup:
         env, sim, model = cfg["environment"], cfg["sim"], cfg["model"]
         self.config = model_config(model["arch"])
         self.dtype = getattr(torch, model["dtype"])
-        spec = hardware_spec(env)
+        # the thread count the system runs with: its own option where it has one, else the environment's
+        threads = cfg["system"].get("cpu_threads") or cfg["system"].get("threads") or env["cpu"]["threads"]
+        spec = hardware_spec(env, cpu_threads=int(threads))
         cpu_class = sim.get("cpu_class") or cpu_class_of(env["cpu"]["name"], env["cpu"]["isa"],
                                                          _host_amx() if env["name"] == "local" else None)
-        eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(sim.get("efficiency"))
+        overrides = {f"{part}.{k}": v for part, factors in (sim.get("efficiency") or {}).items()
+                     for k, v in (factors or {}).items()}
+        eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(overrides)
         self.hw = SimHardware.build(spec, eff, measured_limit=not env.get("described"))
         gb, _ = gpu_budget(cfg)
         budget = int(gb * 2**30) if gb > 0 and self.hw.has_gpu else None

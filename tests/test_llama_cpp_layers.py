@@ -91,6 +91,8 @@ def test_adapter_derives_n_gpu_layers_from_the_budget_on_cuda(tmp_path, mixtral)
     assert source == "derived from environment.gpu.memory_gb=24: 8 whole layers fit"
     assert _adapter(tmp_path, True, 24.0, quant="q4_0").resolve_offload()[0] > 8  # smaller layers
     assert _adapter(tmp_path, False, 24.0).resolve_offload() == (0, 0, "no CUDA GPU")
+    assert _adapter(tmp_path, False, 24.0, n_cpu_moe=2).resolve_offload() == (0, 2, "no CUDA GPU")  # kept as asked
+    assert _adapter(tmp_path, False, 24.0, n_cpu_moe=-1).resolve_offload() == (0, 0, "no CUDA GPU")
     assert _adapter(tmp_path, True, 0.0).resolve_offload() == (0, 0, "environment.gpu.memory_gb=0")
     assert _adapter(tmp_path, True, 24.0, n_gpu_layers=3).resolve_offload() == (3, 0, "system.n_gpu_layers")
     # --n-cpu-moe derived: every layer on the GPU, as few expert layers in host memory as the budget needs

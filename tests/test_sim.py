@@ -131,3 +131,11 @@ def test_the_simulator_package_imports_no_harness_code():
 
     src = "\n".join(p.read_text() for p in pathlib.Path(fiddler.sim.__file__).parent.glob("*.py"))
     assert not any(f"{kw} {pkg}" in src for kw in ("import", "from") for pkg in ("runners", "baselines", "hydra"))
+
+
+def test_a_beam_trace_replays_its_decode_rows():
+    steps = [np.zeros((2, 6, 2), dtype=np.int64)] + [np.full((2, 4, 2), i, dtype=np.int64) for i in (1, 2)]
+    steps = [np.stack([s[..., 0], (s[..., 0] + 1) % 4], axis=-1) for s in steps]
+    trace = RoutingTrace(2, 4, 2, steps)
+    got = list(TraceRouting(trace).steps(6, 3, 4))
+    assert got[0].ids.shape == (2, 6, 2) and (got[1].ids[..., 0] == 1).all() and (got[2].ids[..., 0] == 2).all()

@@ -80,3 +80,50 @@ def test_a_routing_trace_recorded_in_execute_mode_drives_a_simulation(tmp_path):
     assert sim["status"] == "ok", sim.get("reason")
     assert sim["simulation"]["routing"]["kind"] == "trace" and sim["simulation"]["routing"]["trace"] == path
     assert sim["stats"]["executor"]["routed_tokens"] == (16 + 3) * 4 * 2
+
+
+def test_local_environment_simulates_this_hosts_cpu_only_spec(tmp_path):
+    (rec,) = _run(tmp_path, "system=fiddler", "environment=local", "environment.cpu.mem_bandwidth_gbps=30",
+                  "environment.gpu.memory_gb=0")
+    assert rec["status"] == "ok", rec.get("reason")
+    assert rec["simulation"]["spec"]["cpu_read_limit_source"].startswith("measured")
+    assert rec["stats"]["executor"]["tokens"]["c"] == rec["stats"]["executor"]["routed_tokens"]
+
+
+@pytest.mark.parametrize("system", ["mixtral_offloading", "mixtral_offloading_original", "deepspeed_mii",
+                                    "llama_cpp", "llama_cpp_cpu_moe", "fiddler_paper"])
+def test_every_baseline_simulates_with_its_own_policy(tmp_path, system):
+    (rec,) = _run(tmp_path, f"system={system}", "environment=rtx4090")
+    assert rec["status"] == "ok", rec.get("reason")
+    assert rec["metrics"]["e2e_tok_s"] > 0 and rec["stats"]["executor"]["routed_tokens"] > 0
+    assert rec["system_info"]["policy"]
+
+
+def test_hf_transformers_is_skipped_with_the_reason(tmp_path):
+    (rec,) = _run(tmp_path, "system=hf_transformers", "environment=rtx4090")
+    assert rec["status"] == "skipped" and "no simulation model" in rec["reason"]
+
+
+def test_fastgen_that_does_not_fit_is_skipped(tmp_path):
+    (rec,) = _run(tmp_path, "system=deepspeed_mii", "system.engine=mii", "environment=rtx4090")
+    assert rec["status"] == "skipped" and "whole model in GPU memory" in rec["reason"]
+
+
+def test_the_systems_own_thread_count_is_simulated(tmp_path):
+    a = _run(tmp_path, "system=fiddler", "environment=rtx3060", name="a")[0]
+    b = _run(tmp_path, "system=fiddler", "environment=rtx3060", "system.cpu_threads=1", name="b")[0]
+    assert a["simulation"]["spec"]["threads"] == 6 and b["simulation"]["spec"]["threads"] == 1
+    assert b["metrics"]["ttft_s"] > a["metrics"]["ttft_s"]
+
+
+def test_an_efficiency_override_from_the_command_line_is_used_and_recorded(tmp_path):
+    base = _run(tmp_path, "system=fiddler", "environment=rtx3060", name="a")[0]
+    slow = _run(tmp_path, "system=fiddler", "environment=rtx3060", "+sim.efficiency.cpu.kernel_bw_fraction=0.4",
+                name="b")[0]
+    assert slow["simulation"]["spec"]["efficiency"]["overrides"] == {"cpu.kernel_bw_fraction": 0.4}
+    assert "override" in slow["simulation"]["efficiency_sources"]["cpu"]["kernel_bw_fraction"]
+    assert slow["metrics"]["decode_tok_s"] < base["metrics"]["decode_tok_s"]
+    from runners.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="sim.efficiency.cpu.nonsense"):
+        _run(tmp_path, "system=fiddler", "environment=rtx3060", "+sim.efficiency.cpu.nonsense=1", name="c")

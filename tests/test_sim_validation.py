@@ -16,20 +16,25 @@ def test_deepspeed_zero_inference_matches_the_ada6000_runs_within_30_percent(ada
     rows, passed = ada
     ds = [r for r in rows if r["system"] == "deepspeed_mii"]
     assert len(ds) == 20 * 2 + 6  # every single-batch point (TTFT and decode) and every long prefill
-    assert passed["deepspeed_mii"], [r for r in ds if not r["pass"]]
+    assert passed["deepspeed_mii ttft_s"] and passed["deepspeed_mii decode_tok_s"], [r for r in ds if not r["pass"]]
 
 
-@pytest.mark.xfail(strict=True, reason="known miss, reported in results/paper/validation.md: the measured "
-                   "Mixtral-Offloading runs are 2.2-2.4x slower than our policy's physics (LRU cache sized from "
-                   "48 GB, copies at the environment's 25 GB/s); not fitted")
-def test_mixtral_offloading_matches_the_ada6000_runs_within_30_percent(ada):
+def test_mixtral_offloadings_released_code_matches_the_ada6000_ttft_within_30_percent(ada):
     _, passed = ada
-    assert passed["mixtral_offloading"]
+    assert passed["mixtral_offloading_original ttft_s"]
+
+
+@pytest.mark.xfail(strict=True, reason="known miss, reported in validation.md: the measured decode is ~1.0 "
+                   "tok/s, the model of the released code gives 1.23-1.37x that (LRU cache of 4 per layer from "
+                   "48 GB at the calibrated reuse, swaps at 25 GB/s each way); 9 of 20 points within 30%; not fitted")
+def test_mixtral_offloadings_released_code_matches_the_ada6000_decode_within_30_percent(ada):
+    _, passed = ada
+    assert passed["mixtral_offloading_original decode_tok_s"]
 
 
 def test_every_pairwise_ordering_of_the_papers_fig4_holds():
     values, orders, ok = validate_sim.check_fig4()
-    assert len(orders) == 12 and len(values) == 8
+    assert len(orders) == 12 and len([v for v in values if v["in_orderings"]]) == 8
     assert ok, [o for o in orders if not o["match"]]
     assert all(v["ratio"] is not None for v in values)
 

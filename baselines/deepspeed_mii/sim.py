@@ -5,7 +5,8 @@ parameter offloaded to host memory. Each forward gathers every layer's parameter
 layer runs (attention, router, norms and all of the layer's experts: the module's parameters, routed or
 not), then releases them; the embedding and lm_head likewise. ZeRO-3's prefetch overlaps the copy of
 the next layer with the current layer's compute: on the clock the copy engine streams layer after layer
-(one layer ahead) while the GPU computes the layer whose parameters have landed. Nothing stays resident,
+(one layer ahead) while the GPU computes the layer whose parameters have landed, no faster than
+transformers' per-layer host floor. Nothing stays resident,
 so every routed expert counts as copied (kind b).
 
 FastGen (engine=mii): the whole model in GPU memory; a budget that cannot hold it is `skipped`.
@@ -80,7 +81,8 @@ class ZeroInferenceSimPolicy(SimPolicy):
         active = np.nonzero(counts)[0]
         nbytes += len(active) * costs.expert_bytes
         flops += costs.expert_flops_per_token * int(ids.size)
-        t = self._ran(clock.gpu.run(max(ready, landed), hw.gpu(nbytes, flops, LAUNCHES_PER_LAYER)))
+        t = self._ran(clock.gpu.run(max(ready, landed), max(hw.gpu(nbytes, flops, LAUNCHES_PER_LAYER),
+                                                            hw.eff.gpu.hf_layer_overhead_s)))
         kind = GPU if self.resident else COPY
         self.st["routed_tokens"] += int(ids.size)
         self.st["tokens"][kind] += int(ids.size)

@@ -128,8 +128,8 @@ class LlamaCppAdapter(SystemAdapter):
         if c.n_gpu_layers is not None and not derive_moe:
             return int(c.n_gpu_layers), c.n_cpu_moe, "system.n_gpu_layers"
         budget_gb = float(self.ctx.gpu_memory_gb or 0)
-        if not self.ctx.has_cuda or budget_gb <= 0:
-            return 0, 0, "no CUDA GPU" if not self.ctx.has_cuda else "environment.gpu.memory_gb=0"
+        if not self.ctx.has_cuda or budget_gb <= 0:  # nothing to derive from: -ngl 0, --n-cpu-moe as asked
+            return (0, max(0, c.n_cpu_moe), "no CUDA GPU" if not self.ctx.has_cuda else "environment.gpu.memory_gb=0")
         from fiddler.config import MoEConfig
 
         from .layers import cpu_moe_layers, gpu_layers

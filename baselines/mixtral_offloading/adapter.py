@@ -16,6 +16,11 @@ class MixtralOffloadingAdapter(EngineAdapter):
         from .executor import MixtralOffloadingPolicy
 
         c = self.config
+        if c.original_swap:
+            from baselines.base import SystemUnavailable
+
+            raise SystemUnavailable("system.original_swap=true models the original repository's expert swap in "
+                                    "mode=simulate only; this executor keeps host copies and never writes back")
         if c.quantize:
             from .quant import require_hqq
 

@@ -28,6 +28,10 @@ class MixtralOffloadingConfig(EngineSystemConfig):
     prefetch_k: Optional[int] = None  # None = the model's top_k
     prefetch_input: PrefetchInput = PrefetchInput.residual
     quantize: bool = False  # HQQ: attention 4-bit g64, experts 2-bit g16 (needs the hqq package)
+    # mode=simulate only: model the original repository's expert swap, where every miss also copies the
+    # evicted expert back to host memory on the same CUDA stream (its ExpertCache._swap); this executor
+    # keeps host copies and never writes back, so execute mode refuses it
+    original_swap: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,4 +51,5 @@ class MixtralOffloadingConfig(EngineSystemConfig):
             raise SystemUnavailable("mixtral_offloading with quantize=true has no simulation model (HQQ expert "
                                     "sizes and dequantization cost are not modelled); simulate quantize=false")
 
-        return MixtralOffloadingSimPolicy(self.cache_size, self.default_cache_size, self.prefetch, self.prefetch_k)
+        return MixtralOffloadingSimPolicy(self.cache_size, self.default_cache_size, self.prefetch, self.prefetch_k,
+                                          original_swap=self.original_swap)

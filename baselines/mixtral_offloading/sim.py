@@ -6,6 +6,13 @@ then runs; experts never run on the CPU. Speculative prefetch after each layer: 
 `prefetch_k` most likely experts (the routing's speculative guess, summed over rows) are made most
 recently used or copied in on the copy engine while the next layer's attention runs; a prefetched expert
 is used when its copy has landed. Attention, norms and routers run on the GPU (fiddler's engine).
+
+`original_swap=True` models the original repository's released code instead of this project's executor
+(read from github.com/dvmazur/mixtral-offloading, src/expert_cache.py): a miss swaps the loaded expert with
+the evicted one, copying the loaded expert host -> device and the evicted expert device -> host, both
+issued non-blocking on the current CUDA stream, the one the experts compute on: load, write-back and
+compute run one after another (on the clock: all three on the GPU lane). That released code loads on demand only (no speculative prefetch:
+use prefetch=false with it, as conf/system/mixtral_offloading_original.yaml does).
 """
 from __future__ import annotations
 
@@ -24,9 +31,11 @@ from .executor import choose_cache_size
 class MixtralOffloadingSimPolicy(SimPolicy):
     name = "mixtral_offloading"
 
-    def __init__(self, cache_size: int | None, default_cache_size: int, prefetch: bool, prefetch_k: int | None):
+    def __init__(self, cache_size: int | None, default_cache_size: int, prefetch: bool, prefetch_k: int | None,
+                 original_swap: bool = False):
         self.cache_size_option, self.default_cache_size = cache_size, default_cache_size
         self.prefetch, self.prefetch_k = prefetch, prefetch_k
+        self.original_swap = bool(original_swap)
 
     def setup(self, ctx: SimContext) -> None:
         c = ctx.config
@@ -70,7 +79,9 @@ class MixtralOffloadingSimPolicy(SimPolicy):
         ids = routing.ids[layer]
         counts = np.bincount(ids.ravel(), minlength=ctx.config.num_experts)
         nbytes, flops = costs.attention(step)
-        g = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES), hw.eff.gpu.engine_layer_overhead_s))
+        # per-layer host floor: fiddler's engine, or transformers' eager model under the released code
+        floor = hw.eff.gpu.hf_layer_overhead_s if self.original_swap else hw.eff.gpu.engine_layer_overhead_s
+        g = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES), floor))
         cache, st = self.lru[layer], self.st
         active = [int(e) for e in np.nonzero(counts)[0]]
         hits = [e for e in active if e in cache]
@@ -86,7 +97,13 @@ class MixtralOffloadingSimPolicy(SimPolicy):
             cache[e] = g
         for e in misses:
             slot_free = self._evict(layer)
-            copied = clock.h2d.run(max(ready, slot_free), hw.h2d(eb))
+            if self.original_swap:
+                # the released code issues both copies on the current (compute) stream: load, write-back and
+                # compute run one after another
+                copied = clock.gpu.run(max(ready, slot_free), hw.h2d(eb))
+                clock.gpu.run(copied, hw.d2h(eb))
+            else:
+                copied = clock.h2d.run(max(ready, slot_free), hw.h2d(eb))
             g = clock.gpu.run(max(g, copied), hw.gpu(eb, fpt * int(counts[e])))
             cache[e] = g
         n_hit = int(sum(counts[e] for e in hits))
@@ -96,6 +113,8 @@ class MixtralOffloadingSimPolicy(SimPolicy):
         st["hits"] += len(hits)
         st["misses"] += len(misses)
         st["bytes_copied_demand"] += len(misses) * eb
+        if self.original_swap:
+            st["bytes_written_back"] = st.get("bytes_written_back", 0) + len(misses) * eb
         st["tokens"][GPU] += n_hit
         st["tokens"][COPY] += int(ids.size) - n_hit
         st["experts"][GPU] += len(hits)
@@ -131,4 +150,5 @@ class MixtralOffloadingSimPolicy(SimPolicy):
 
     def info(self) -> dict[str, Any]:
         return {"policy": self.name, "cache_size": self.cache_size, "cache_size_source": self.cache_size_source,
-                "cache_size_detail": self.cache_detail, "prefetch": self.prefetch, "prefetch_k_effective": self.k}
+                "cache_size_detail": self.cache_detail, "prefetch": self.prefetch, "prefetch_k_effective": self.k,
+                "original_swap": self.original_swap}

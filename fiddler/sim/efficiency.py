@@ -36,6 +36,9 @@ class GpuClass:
     #: host-side time per decoder layer and step of fiddler's engine on a GPU (Python dispatch, streams,
     #: events): the floor of a layer's GPU-side work
     engine_layer_overhead_s: float
+    #: the same floor for transformers' eager Mixtral (systems built on it: DeepSpeed, Mixtral-Offloading's
+    #: released code)
+    hf_layer_overhead_s: float
     pcie_fraction: float  # achieved / the environment's PCIe number (already pinned-copy rates: 1.0)
     pcie_latency_s: float
     sources: dict[str, str] = field(default_factory=dict)
@@ -90,7 +93,7 @@ _H200 = "results/measured/2026-11-29-h200-device-check/bench.txt"
 GPU_CLASSES: dict[str, GpuClass] = {
     "nvidia": GpuClass(
         "nvidia", bw_fraction=0.80, flops_fraction=0.60, launch_s=1e-5, engine_layer_overhead_s=1.2e-3,
-        pcie_fraction=1.0, pcie_latency_s=1e-5,
+        hf_layer_overhead_s=1.7e-3, pcie_fraction=1.0, pcie_latency_s=1e-5,
         sources={
             "bw_fraction": "assumption (second-hand): memory-bound GEMV kernels reach 75-90% of the spec bandwidth",
             "flops_fraction": "assumption: cuBLAS bf16 GEMMs of 4096x14336 at tens to thousands of rows, 50-70% of "
@@ -99,6 +102,8 @@ GPU_CLASSES: dict[str, GpuClass] = {
             "engine_layer_overhead_s": f"{_H200}: fiddler on small_mixtral (8 layers) with every expert resident "
                                        "decodes 98.7 tok/s on an H200 = 10.1 ms per step, of which the weights "
                                        "are 0.4 ms at the H200's bandwidth -> about 1.2 ms per layer and step",
+            "hf_layer_overhead_s": f"{_H200}: transformers on the same model decodes 72.0 tok/s = 13.9 ms per step "
+                                   "-> about 1.7 ms per layer and step",
             "pcie_fraction": "the environments' PCIe numbers are pinned-copy rates already",
             "pcie_latency_s": "cudaMemcpyAsync issue latency, about 10 us",
         }),

@@ -119,8 +119,8 @@ class ProfileRouting(Routing):
 
 class TraceRouting(Routing):
     """Replays a routing trace recorded by the engine (fiddler.sim.trace.RoutingTrace): the recorded
-    prefill's tokens, cycled to input_len, then the recorded decode steps' rows, cycled, as many rows as
-    the beam width asks. Speculative guesses follow the recall model (the trace has no router guesses)."""
+    prefill's tokens (its first forward), cycled to input_len, then the recorded decode steps' rows in
+    order, cycled, as many rows per step as the beam width asks. Speculative guesses follow the recall model (the trace has no router guesses)."""
 
     def __init__(self, trace, *, speculative_recall: float = DEFAULT_RECALL, seed: int = 0):
         self.trace = trace
@@ -128,10 +128,10 @@ class TraceRouting(Routing):
         self.recall, self.seed = float(speculative_recall), int(seed)
         pop = trace.popularity()
         self._guesser = ProfileRouting(pop, reuse=0.0, speculative_recall=speculative_recall, seed=seed)
-        pre = [s for s in trace.steps if s.shape[1] > 1] or trace.steps[:1]
-        self._prefill = np.concatenate(pre, axis=1) if pre else None
-        dec = [s for s in trace.steps if s.shape[1] == 1] or trace.steps
-        self._decode = np.concatenate(dec, axis=1)  # [L, N, K], one row per recorded decode token
+        # a trace is one generate: its first forward is the prefill, the others decode steps (1 row each, or
+        # the beam width)
+        self._prefill = trace.steps[0]
+        self._decode = np.concatenate(trace.steps[1:] or trace.steps[:1], axis=1)  # [L, rows, K]
 
     def steps(self, input_len: int, output_len: int, beam_width: int) -> Iterator[RoutingStep]:
         rng = np.random.default_rng([self.seed, input_len, output_len, beam_width, 1])

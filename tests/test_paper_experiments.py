@@ -1,0 +1,105 @@
+"""The paper experiments (conf/experiment/paper_*.yaml) and scripts/reproduce_paper.py's outputs:
+every configuration composes in simulate mode on the paper's four machines, `run.py -m +experiment=...`
+runs in a subprocess and labels its tables simulated, and the outputs are a function of the records."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import runners  # noqa: F401
+from runners.main import prepare
+from runners.records import read_jsonl
+from tests.test_cli import run_py
+from tests.test_paper_tables import rec, single_batch_records
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = {"paper_single_batch": ([32, 64, 128, 256], [64, 128, 256, 512], [1]),
+               "paper_long_prefill": ([512, 1024, 2048, 4096], [1], [1]),
+               "paper_beam": ([32], [64], [4, 8, 12, 16])}
+
+
+def _compose(*overrides, hydra=False):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def _reproduce():
+    spec = importlib.util.spec_from_file_location("reproduce_paper_under_test", ROOT / "scripts" / "reproduce_paper.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_configuration_of_the_three_experiments_composes_in_simulate_mode():
+    jobs = 0
+    for exp, grid in EXPERIMENTS.items():
+        params = _compose(f"+experiment={exp}", hydra=True).hydra.sweeper.params
+        envs, systems = params.environment.split(","), params.system.split(",")
+        assert envs == ["rtx3060", "rtx4090", "paper_env1", "paper_env2"]
+        assert systems == ["fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe",
+                           "mixtral_offloading_original", "mixtral_offloading", "deepspeed_mii"]
+        for env, system in itertools.product(envs, systems):
+            cfg = _compose(f"+experiment={exp}", f"environment={env}", f"system={system}")
+            conf = prepare(cfg)[0]
+            jobs += 1
+            assert conf.mode.value == "simulate" and conf.model.name == "mixtral_8x7b"
+            assert (conf.workload.input_lens, conf.workload.output_lens, conf.workload.beam_widths) == grid
+            if system == "fiddler_paper":
+                assert conf.system.name == "fiddler" and conf.system.planner.value == "paper"
+            if system == "llama_cpp_cpu_moe":
+                assert conf.system.name == "llama_cpp" and conf.system.n_cpu_moe == -1
+            if system == "mixtral_offloading_original":
+                assert conf.system.name == "mixtral_offloading" and conf.system.original_swap
+    assert jobs == 84  # 7 rows x 4 machines x 3 experiments ("about 70 configurations")
+
+
+def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):
+    """`python run.py -m +experiment=paper_beam`, narrowed to one machine and two systems for time."""
+    res = run_py("-m", "+experiment=paper_beam", "environment=rtx3060", "system=fiddler_paper,llama_cpp",
+                 f"hydra.sweep.dir={tmp_path / 's'}",
+                 f"run.index_path={tmp_path / 'i.jsonl'}", "run.progress=false", timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = read_jsonl(tmp_path / "i.jsonl", strict=True)
+    assert len(recs) == 8 and {r["mode"] for r in recs} == {"simulate"}
+    assert all(r["environment_info"]["provenance"] == "simulated" for r in recs)
+    fiddler = [r for r in recs if r["system"] == "fiddler"]
+    assert len(fiddler) == 4 and all(r["status"] == "ok" and r["config"]["system"]["planner"] == "paper"
+                                     for r in fiddler)
+    table = (tmp_path / "s" / "table.md").read_text()
+    assert table.startswith("Numbers: SIMULATED:")
+    rows = [line for line in table.splitlines() if line.startswith("| fiddler") or line.startswith("| llama_cpp")]
+    assert len(rows) == 8 and all("| simulated " in line for line in rows)
+
+
+def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(tmp_path):
+    mod = _reproduce()
+    recs = single_batch_records() + [rec("fiddler_paper", "paper_env1", "beam", 32, 64, 4, tok=5.0),
+                                     rec("llama_cpp", "paper_env1", "beam", 32, 64, 4, tok=0.5)]
+    outs = []
+    for name in ("a", "b"):
+        stage = tmp_path / name
+        stage.mkdir()
+        files = mod.write_outputs(list(recs if name == "a" else reversed(recs)), {}, stage)
+        outs.append((files, {p.name: p.read_bytes() for p in stage.glob("*.png")}))
+    assert outs[0] == outs[1]
+    files = outs[0][0]
+    assert {"single_batch.md", "single_batch.csv", "long_prefill.md", "beam.md", "speedups.md", "speedups.csv",
+            "planner.md", "summary.md"} <= set(files)
+    assert "| beam | all four | over llama.cpp | 10.00x | 11.57x |" in files["summary.md"]
+    assert not any(str(tmp_path) in text or "2026" in text for text in files.values())  # no paths or dates
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.md").write_text("from an older layout")
+    stage = tmp_path / "a"
+    for n, text in files.items():
+        (stage / n).write_text(text)
+    mod.publish(stage, out, keep_validation=False)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in stage.iterdir())
+    assert json.dumps(sorted(files)) and not (out / "stale.md").exists()

@@ -130,6 +130,9 @@ class SystemAdapter(abc.ABC):
     #: environment variables the system needs set before torch (or its own runtime) is imported,
     #: e.g. OpenMP settings read once at library load; the runner then runs it in a fresh process
     process_env: dict[str, str] = {}
+    # The expert/attention weight type the decode bound counts bytes for (runners/decode_bound.py):
+    # None = the model dtype, "q8_0"/"q4_0" = llama.cpp blocks (fiddler.quant), "unmodelled" = no bound
+    weight_quant: str | None = None
 
     def __init__(self, config: SystemConfig, model: ModelSpec, ctx: RunContext):
         self.config = config

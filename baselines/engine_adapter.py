@@ -37,6 +37,11 @@ class EngineAdapter(SystemAdapter):
             return GpuSide.cuda(), "engine default (free CUDA memory)"
         return GpuSide.none(), "none (no GPU)"
 
+    @property
+    def weight_quant(self) -> str | None:
+        """The expert/attention weight type (system.quant where the system has it; fiddler.quant)."""
+        return getattr(self.config, "quant", None)
+
     def load(self) -> None:
         import torch
 
@@ -46,7 +51,7 @@ class EngineAdapter(SystemAdapter):
         self.engine = Engine.from_pretrained(
             self.model.path, dtype=getattr(torch, self.model.dtype), gpu=self.gpu, executor=self.executor_factory(),
             cpu_threads=self.config.cpu_threads or self.ctx.threads,
-            max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch,
+            max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch, quant=self.weight_quant,
         )
         self.recorder = None
         if self.config.record_routing:

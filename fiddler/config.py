@@ -292,9 +292,33 @@ class MoEConfig:
         """One expert slot: a routed expert, or one chunk of the shared expert(s)."""
         return 3 * self.hidden_size * self.intermediate_size
 
-    def expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """One expert's w1 + w3 + w2."""
-        return self.expert_params() * dtype.itemsize
+    def expert_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
+        """One expert's w1 + w3 + w2 (quant: llama.cpp blocks, fiddler.quant)."""
+        from .quant import weight_bytes
+
+        h, f = self.hidden_size, self.intermediate_size
+        return 2 * weight_bytes(f, h, quant, dtype) + weight_bytes(h, f, quant, dtype)
+
+    def attention_matrices(self) -> list[tuple[int, int]]:
+        """[out, in] shapes of one layer's attention projection matrices (what quantization applies to)."""
+        h = self.hidden_size
+        if self.attention == "mla":
+            nh, dqk = self.num_heads, self.qk_head_dim
+            q = [(self.q_lora_rank, h), (nh * dqk, self.q_lora_rank)] if self.q_lora_rank else [(nh * dqk, h)]
+            return q + [(self.kv_lora_rank + self.qk_rope_head_dim, h),
+                        (nh * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                        (h, nh * self.v_head_dim)]
+        d = self.head_dim
+        return [((self.num_heads + 2 * self.num_kv_heads) * d, h), (h, self.num_heads * d)]
+
+    def attention_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
+        """One layer's attention weights; quant: its projection matrices as llama.cpp blocks (fiddler.quant),
+        biases and norms stay in dtype."""
+        from .quant import weight_bytes
+
+        mats = self.attention_matrices()
+        small = self.attention_params() - sum(o * i for o, i in mats)
+        return sum(weight_bytes(o, i, quant, dtype) for o, i in mats) + small * dtype.itemsize
 
     def attention_params(self) -> int:
         """One layer's attention weights: projections (and their biases), q/k norms; for MLA the low-rank
@@ -337,11 +361,15 @@ class MoEConfig:
         emb = self.vocab_size * self.hidden_size
         return emb + (0 if self.tie_word_embeddings else emb) + self.hidden_size
 
-    def non_expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+    def _attention_quant_delta(self, dtype: torch.dtype, quant: str | None) -> int:
+        """Bytes a layer's attention changes by when its projections are held as `quant` blocks."""
+        return 0 if quant is None else self.attention_bytes(dtype, quant) - self.attention_params() * dtype.itemsize
+
+    def non_expert_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
         """Everything but the expert slots: embeddings, per-layer attention/router/norms/dense MLPs, final
-        norm, lm_head."""
+        norm, lm_head (quant: the attention projections as llama.cpp blocks; the rest stays in dtype)."""
         params = self.embedding_params() + sum(self.layer_non_expert_params(i) for i in range(self.num_layers))
-        return params * dtype.itemsize
+        return params * dtype.itemsize + self.num_layers * self._attention_quant_delta(dtype, quant)
 
     def all_expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Every expert slot of every MoE layer (shared chunks zero-padded to the expert shape included)."""
@@ -358,16 +386,19 @@ class MoEConfig:
         return self.num_layers * batch * seq_len * self.kv_cache_row_elems() * dtype.itemsize
 
     def decode_bytes_per_token(
-        self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1, experts_per_layer: float | None = None
+        self, kv_len: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1, experts_per_layer: float | None = None,
+        quant: str | None = None,
     ) -> float:
         """Bytes a decode step must read from memory at least: the active expert slots (`experts_per_layer`
         distinct ones per MoE layer, if known from the routing; else top_k * batch capped at num_experts,
         plus the shared slots every token runs), attention projections, routers, norms, dense MLPs, lm_head
-        and the KV cache of `batch` rows at length kv_len. The embedding row is negligible and ignored."""
+        and the KV cache of `batch` rows at length kv_len. The embedding row is negligible and ignored.
+        quant: experts and attention projections as llama.cpp blocks (fiddler.quant), the rest in dtype."""
         s = dtype.itemsize
         if experts_per_layer is None:
             experts_per_layer = min(self.top_k * batch, self.num_experts) + self.shared_slots
-        experts = experts_per_layer * self.num_moe_layers * self.expert_bytes(dtype)
-        layers = sum(self.layer_non_expert_params(i) for i in range(self.num_layers)) * s
+        experts = experts_per_layer * self.num_moe_layers * self.expert_bytes(dtype, quant)
+        layers = (sum(self.layer_non_expert_params(i) for i in range(self.num_layers)) * s
+                  + self.num_layers * self._attention_quant_delta(dtype, quant))
         head = self.vocab_size * self.hidden_size * s + self.hidden_size * s
         return experts + layers + head + self.kv_cache_bytes(kv_len, batch, dtype)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import quant as fquant
 from .config import MoEConfig
 from .executors import BuildContext, ExecutorFactory, ExpertExecutor, FiddlerPolicy
 from .generate import GenerationOutput, generate
@@ -102,6 +103,31 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
     return 1 if kernel_linears else None
 
 
+def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gguf, pin: bool = False):
+    """Experts (in place) and attention projections as llama.cpp blocks: from a GGUF file, the on-disk
+    cache, or quantized now (and cached). Returns (per-layer attention blocks, facts for info())."""
+    t = time.perf_counter()
+    file = None
+    if gguf is not None:
+        cache, source = fquant.load_gguf_blocks(gguf, cfg, quant), f"gguf:{gguf}"
+    elif quant_cache:
+        file = fquant.cache_path(path, quant, None if quant_cache is True else quant_cache)
+        cache = fquant.load_cache(file) or {}
+        source = f"cache:{file}" if cache else "quantized at load"
+    else:
+        cache, source = {}, "quantized at load"
+    n_before = len(cache)
+    fquant.quantize_experts(weights.experts, quant, cache, pin=pin)
+    attn = fquant.quantize_attention(weights, quant, cache)
+    if file is not None and len(cache) > n_before:
+        fquant.save_cache(file, cache, quant)
+    k = load_kernels()
+    return attn, {"source": source, "seconds": time.perf_counter() - t,
+                  "cpu_mode": k.quant.mode() if k is not None else None,
+                  "expert_bytes": cfg.expert_bytes(torch.bfloat16, quant),
+                  "attention_bytes_per_layer": cfg.attention_bytes(torch.bfloat16, quant)}
+
+
 class Engine:
     def __init__(self, config: MoEConfig, model: MoETransformer, executor: ExpertExecutor, *, dtype, gpu: GpuSide,
                  seed: int, info: dict, torch_threads: int | None = None):
@@ -123,6 +149,9 @@ class Engine:
         max_seq_len: int | None = None,
         max_batch: int | None = None,
         seed: int = 0,
+        quant: str | None = None,
+        quant_cache: bool | str | Path = True,
+        gguf: str | Path | None = None,
     ) -> "Engine":
         """Load an HF Mixtral checkpoint (original per-expert safetensors layout, sharded or not).
 
@@ -132,9 +161,22 @@ class Engine:
         factory (default FiddlerPolicy(): Fiddler's orchestration; fiddler.executors.local_executor is the
         reference). cpu_threads: threads for the CPU kernel and torch (default: all cores; note
         torch.set_num_threads is process-wide). max_seq_len / max_batch: KV-cache size (default
-        min(context, 4096) positions x 4 rows; beam_width <= max_batch). seed: placement and sampling."""
+        min(context, 4096) positions x 4 rows; beam_width <= max_batch). seed: placement and sampling.
+        quant: None, "q8_0" or "q4_0": expert and attention projection weights as llama.cpp blocks
+        (fiddler.quant; round-to-nearest like llama.cpp's quantizer), embeddings, norms, router and
+        lm_head stay in dtype (bf16 only). quant_cache: keep the quantized blocks on disk, keyed by the
+        checkpoint's content hash and the quant type (True: $FIDDLER_CACHE/quant; a path: that
+        directory; False: quantize at every load). gguf: take the quantized tensors from this GGUF file
+        (llama.cpp's converter/quantizer output of the same checkpoint) instead of quantizing."""
         t_load = time.perf_counter()
+        quant = fquant.check_quant(quant)
+        if quant is not None and dtype != torch.bfloat16:
+            raise ValueError(f"quant={quant!r} needs dtype=torch.bfloat16, got {dtype}")
+        if gguf is not None and quant is None:
+            raise ValueError("gguf= reads quantized tensors: give quant='q8_0' or 'q4_0' too")
         cfg = MoEConfig.from_pretrained(path)
+        if quant is not None:
+            fquant.check_attention(cfg)
         gpu = gpu if gpu is not None else GpuSide.default()
         max_seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         max_batch = max_batch or DEFAULT_MAX_BATCH
@@ -143,19 +185,25 @@ class Engine:
         # Dense parts that do not fit the GPU budget stay on the CPU, whole layers at a time (-ngl style);
         # the executor's placement makes the same decision from the same function.
         try:
-            dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch)
+            dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
+                                    quant=quant)
         except ValueError:  # not even the fixed part fits: the executor's own sizing decides (and explains)
             dense = DensePlacement((True,) * cfg.num_layers)
         cpu = torch.device("cpu")
         layer_devices = [gpu.device if g else cpu for g in dense.gpu_layers]
         weights = load_weights(path, cfg, dtype=dtype, device=gpu.device, layer_devices=layer_devices)
+        quant_info = None
+        if quant is not None:
+            attn_blocks, quant_info = _quantize_weights(path, cfg, weights, quant, quant_cache, gguf, gpu.is_cuda)
         ctx = BuildContext(cfg, dtype, gpu, max_seq_len=max_seq_len, max_batch=max_batch, cpu_threads=cpu_threads,
-                           seed=seed)
+                           seed=seed, quant=quant)
         ex = (executor or FiddlerPolicy())(ctx, weights.experts)
         model = MoETransformer(cfg, weights, ex, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype,
                                device=gpu.device, layer_devices=layer_devices)
         weights.experts = []  # the executor owns them now
         torch_threads_in_run = finalise_linears(model, ex)
+        if quant is not None:
+            fquant.install_attention(model, attn_blocks, quant)
         k = load_kernels()
         kernel_linears = torch_threads_in_run is not None
         info = {
@@ -174,6 +222,8 @@ class Engine:
             "kernel_linears": kernel_linears,
             "kernel_max_tokens": model.lm_head.kernel_max_tokens if kernel_linears else 0,
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),
+            "quant": quant,
+            **({"quant_info": quant_info} if quant_info else {}),
             "load_s": time.perf_counter() - t_load,
         }
         return cls(cfg, model, ex, dtype=dtype, gpu=gpu, seed=seed, info=info, torch_threads=torch_threads_in_run)

@@ -58,10 +58,11 @@ class LatencyModel:
 
     @classmethod
     def from_hardware_spec(cls, spec: HardwareSpec, config, dtype: torch.dtype = torch.bfloat16,
-                           cpu_threads: int | None = None) -> LatencyModel:
-        """Costs of one expert of `config` on the machine `spec` describes (no measurement)."""
+                           cpu_threads: int | None = None, quant: str | None = None) -> LatencyModel:
+        """Costs of one expert of `config` on the machine `spec` describes (no measurement); quant: the
+        expert is held, streamed and copied as llama.cpp blocks (fiddler.quant)."""
         size = dtype.itemsize
-        wbytes = config.expert_bytes(dtype)
+        wbytes = config.expert_bytes(dtype, quant)
         flops_tok = 2 * 3 * config.hidden_size * config.intermediate_size
         act_bytes_tok = config.hidden_size * size  # one row each way for a CPU expert
         threads = cpu_threads or spec.cpu_threads or spec.cpu_cores

@@ -27,13 +27,18 @@ def environment_limit(env_gbps: float) -> dict | None:
 
 
 def decode_bound(model_path: str, dtype: str, input_len: int, output_len: int, beam_width: int,
-                 decode_tok_s: dict[str, float | None], experts_per_layer: float | None, limit: dict | None
-                 ) -> dict[str, Any] | None:
-    """{"bytes_per_token", "limit_gbps", "limit_by", "limit_strategies", "bound_tok_s", "fraction":
-    {name: measured / bound}, "experts_per_layer"} for a point whose decode tok/s were measured
-    (`decode_tok_s`: e.g. mean and best); None without decode steps or without a limit."""
+                 decode_tok_s: dict[str, float | None], experts_per_layer: float | None, limit: dict | None,
+                 quant: str | None = None) -> dict[str, Any] | None:
+    """{"bytes_per_token", "weight_quant", "limit_gbps", "limit_by", "limit_strategies", "bound_tok_s",
+    "fraction": {name: measured / bound}, "experts_per_layer"} for a point whose decode tok/s were
+    measured (`decode_tok_s`: e.g. mean and best); None without decode steps or without a limit.
+    quant: the expert and attention projection weight type (None: dtype; "q8_0"/"q4_0": llama.cpp
+    blocks, fiddler.quant; "unmodelled": a mix whose bytes are not modelled -> no bound)."""
     if output_len < 2 or not limit:
         return None
+    if quant == "unmodelled":
+        return {"unavailable": "bytes per token are not modelled for this weight type mix (only bf16 and the "
+                               "pure q8_0/q4_0 policy are)"}
     import torch  # here, not at import: a resumed run with nothing to do never loads torch
 
     from fiddler.config import MoEConfig
@@ -41,10 +46,12 @@ def decode_bound(model_path: str, dtype: str, input_len: int, output_len: int, b
     cfg = MoEConfig.from_pretrained(model_path)
     t = getattr(torch, dtype)
     steps = range(input_len + 1, input_len + output_len)
-    nbytes = sum(cfg.decode_bytes_per_token(kv, t, beam_width, experts_per_layer) for kv in steps) / len(steps)
+    nbytes = sum(cfg.decode_bytes_per_token(kv, t, beam_width, experts_per_layer, quant=quant)
+                 for kv in steps) / len(steps)
     bound = limit["gbps"] * 1e9 / nbytes
     return {
         "bytes_per_token": nbytes,
+        "weight_quant": quant,
         "limit_gbps": limit["gbps"],
         "limit_by": limit["best"],
         "limit_strategies": limit["strategies"],

@@ -196,7 +196,8 @@ class Session:
                     job.model_path, job.config["model"]["dtype"], point.input_len, point.output_len, point.beam_width,
                     {"mean": m["decode_tok_s"], "best": m["best"]["decode_tok_s"]},
                     rec["stats"].get("decode_experts_per_layer"),
-                    environment_limit(float(job.config["environment"]["cpu"]["mem_bandwidth_gbps"] or 0)))
+                    environment_limit(float(job.config["environment"]["cpu"]["mem_bandwidth_gbps"] or 0)),
+                    quant=getattr(self.adapter, "weight_quant", None))
             except Exception as exc:  # an analysis: it never turns a measured record into an error
                 rec["decode_bound"] = {"unavailable": one_line(exc)}
         return rec

@@ -111,11 +111,11 @@ class SimSetup:
             pop = Popularity.for_config(self.config, pop)  # None: uniform
             self.routing = ProfileRouting(pop, reuse=sim["reuse"], speculative_recall=sim["speculative_recall"],
                                           seed=sim["seed"], always=self.config.shared_slots)
+        self.policy = job.system_config.sim_policy()
         self.ctx = SimContext(self.config, self.dtype, self.hw, budget,
                               max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
                               max_batch=max(p["beam_width"] for p in job.points), seed=int(sim["seed"]),
-                              popularity=self.placement_popularity)
-        self.policy = job.system_config.sim_policy()
+                              popularity=self.placement_popularity, quant=self.policy.weight_quant)
         self.policy.setup(self.ctx)
 
     def describe(self, env: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +124,8 @@ class SimSetup:
                 "efficiency_sources": {"cpu": self.hw.eff.cpu.sources, "gpu": self.hw.eff.gpu.sources},
                 "routing": self.routing.describe(),
                 "placement_popularity": self.placement_popularity.meta.get("source"),
-                "gpu_budget_bytes": self.ctx.gpu_budget_bytes, "max_seq_len": self.ctx.max_seq_len,
+                "gpu_budget_bytes": self.ctx.gpu_budget_bytes, "weight_quant": self.ctx.quant,
+                "expert_bytes": self.ctx.costs.expert_bytes, "max_seq_len": self.ctx.max_seq_len,
                 "max_batch": self.ctx.max_batch}
 
 

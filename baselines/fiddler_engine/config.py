@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
+from baselines.base import check
 from baselines.engine_config import EngineSystemConfig
 
 
@@ -26,9 +27,16 @@ class FiddlerConfig(EngineSystemConfig):
     placement: Placement = Placement.popularity
     popularity_profile: Optional[str] = None  # JSON profile; None = the model's reference profile, else uniform
     overlap: Optional[bool] = None  # CPU and GPU queues concurrently; None = the executor's default (ablation: false)
+    # None (the model dtype), q8_0 or q4_0: experts and attention projections as llama.cpp blocks
+    # (fiddler.quant), like for like with system=llama_cpp's quant of the same type (quant_policy: pure)
+    quant: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(lambda: self.quant in (None, "q8_0", "q4_0"), "system.quant", self.quant, "null, q8_0 or q4_0")
 
     def sim_policy(self):
         from fiddler.sim import FiddlerSimPolicy
 
         return FiddlerSimPolicy(planner=self.planner.value, placement=self.placement.value,
-                                overlap=self.overlap is not False)
+                                overlap=self.overlap is not False, quant=self.quant)

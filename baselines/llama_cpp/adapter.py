@@ -10,6 +10,9 @@ Options (``conf/system/llama_cpp.yaml``):
 
 - ``quant``: ``bf16`` (default), ``f32``, ``f16``, ``q8_0`` (written by the converter) or a
   quantizer type (``q4_0``, ``q4_k_m``, ... see :data:`convert.SUPPORTED_QUANTS`);
+- ``quant_policy``: for ``q8_0`` / ``q4_0``: ``pure`` (default; like for like with fiddler's
+  ``system.quant``: ``llama_model_quantize`` from the bf16 GGUF with ``pure=True``,
+  ``quantize_output_tensor=False``, ``token_embedding_type=BF16``) or ``llama`` (llama.cpp's own mix);
 - ``n_gpu_layers``: layers offloaded to the GPU (llama.cpp's ``-ngl``; -1 = all). Needs a GPU build
   of llama-cpp-python. null (the default) derives it from the GPU budget on a CUDA machine, as many
   whole layers as fit, as the Fiddler paper ran it (:func:`baselines.llama_cpp.layers.gpu_layers`,
@@ -72,6 +75,21 @@ class LlamaCppAdapter(SystemAdapter):
         self.gguf_path = None
         self._lc = None
 
+    @property
+    def pure_quant(self) -> bool:
+        """q8_0 / q4_0 under the like-for-like policy (quant_policy=pure, the default for those types)."""
+        return self.config.quant in convert.PURE_TYPES and self.config.quant_policy.value == "pure"
+
+    @property
+    def weight_quant(self) -> str | None:
+        """For the decode bound's byte count (fiddler.quant): the expert/attention weight type when the
+        GGUF follows fiddler's policy, None for bf16 (dense like fiddler's bf16 engine), "unmodelled" for
+        llama.cpp's own mixes and other types."""
+        q = self.config.quant
+        if q == "bf16":
+            return None
+        return q if self.pure_quant else "unmodelled"
+
     # ------------------------------------------------------------------------------------------
     def load(self) -> None:
         try:
@@ -91,7 +109,7 @@ class LlamaCppAdapter(SystemAdapter):
         from .engine import LlamaCppModel, LoadParams
 
         self.gguf_path = convert.ensure_gguf(self.model.path, c.quant, self.ctx.cache_dir, c.converter_dir,
-                                             self.threads)
+                                             self.threads, pure=self.pure_quant)
         n_ctx = c.n_ctx if c.n_ctx is not None else DEFAULT_CTX
         params = LoadParams(threads=self.threads, n_ctx=n_ctx, n_batch=c.n_batch, n_seq_max=DEFAULT_SEQS,
                             n_gpu_layers=ngl, n_cpu_moe=n_cpu_moe, flash_attn=c.flash_attn.value,
@@ -171,7 +189,10 @@ class LlamaCppAdapter(SystemAdapter):
         return self.llm.prefill(list(input_ids), all_logits=True)
 
     def info(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"options": self.config.to_dict(), "threads": self.threads}
+        out: dict[str, Any] = {"options": self.config.to_dict(), "threads": self.threads,
+                               "quant": self.config.quant, "weight_quant": self.weight_quant,
+                               "quant_policy": ("pure (experts and attention in the type, embeddings and output bf16)"
+                                                if self.pure_quant else "llama.cpp's own for the type")}
         if getattr(self, "ngl_source", None):
             out["n_gpu_layers_source"] = self.ngl_source
         if getattr(self, "gpu_layers_fit", None):

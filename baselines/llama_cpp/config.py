@@ -7,10 +7,15 @@ from typing import Optional
 
 from baselines.base import SystemConfig, check
 
-from .convert import SUPPORTED_QUANTS
+from .convert import PURE_TYPES, SUPPORTED_QUANTS
 
 #: KV-cache element types the adapter can ask llama.cpp for (engine.KV_CACHE_TYPES maps them to ggml's)
 KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0")
+
+
+class QuantPolicy(Enum):
+    pure = "pure"    # like for like with fiddler: llama_model_quantize(pure, output and embeddings bf16)
+    llama = "llama"  # llama.cpp's own mix for the type (converter q8_0; quantizer defaults otherwise)
 
 
 class OnOffAuto(Enum):
@@ -24,6 +29,9 @@ class LlamaCppConfig(SystemConfig):
     schema_name = "llama_cpp_schema"
 
     quant: str = "bf16"  # GGUF type: converter types f32/f16/bf16/q8_0 or llama.cpp's quantizer types
+    # q8_0 / q4_0 only: "pure" = like for like with fiddler's system.quant (experts and attention in the
+    # type, embeddings and output matrix bf16); "llama" = llama.cpp's own mix for the type
+    quant_policy: QuantPolicy = QuantPolicy.pure
     n_gpu_layers: Optional[int] = None  # -ngl; -1 = all; None = as many as the GPU budget holds (0 without CUDA)
     n_cpu_moe: int = 0  # --n-cpu-moe: expert FFNs of the first N layers stay in host memory; -1 = as few as the budget needs
     n_ctx: Optional[int] = None  # None = derived from the request

@@ -248,28 +248,46 @@ def run_converter(model_dir: Path, out: Path, outtype: str, converter: Path) -> 
             f"command: {' '.join(cmd)}\n--- converter output (tail) ---\n{tail}")
 
 
-def quantize(src: Path, out: Path, quant: str, threads: int) -> None:
+#: quant types the like-for-like ("pure") policy supports: every expert and attention projection in that
+#: type, token embeddings bf16 and the output matrix left as it is (bf16) -- what fiddler's
+#: Engine.from_pretrained(quant=...) runs
+PURE_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+GGML_TYPE_BF16 = 30  # ggml.h enum ggml_type (llama-cpp-python does not export it)
+
+
+def quantize(src: Path, out: Path, quant: str, threads: int, pure: bool = False) -> None:
+    """llama_model_quantize from the bf16 GGUF `src`. pure: the like-for-like policy (PURE_TYPES):
+    pure=True, quantize_output_tensor=False, token_embedding_type=BF16; else llama.cpp's own mix
+    for the type (e.g. Q4_0 keeps attn_v in Q8_0, the output in Q6_K and quantizes the embeddings)."""
     import llama_cpp
 
-    ftype = getattr(llama_cpp, QUANTIZER_TYPES[quant], None)
+    name = PURE_TYPES[quant] if pure else QUANTIZER_TYPES[quant]
+    ftype = getattr(llama_cpp, name, None)
     if ftype is None:
-        raise SystemUnavailable(f"the installed llama-cpp-python has no {QUANTIZER_TYPES[quant]}")
+        raise SystemUnavailable(f"the installed llama-cpp-python has no {name}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = max(1, threads)
+    if pure:
+        params.pure = True
+        params.quantize_output_tensor = False
+        params.token_embedding_type = GGML_TYPE_BF16
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
     if rc != 0 or not out.is_file():
         raise GGUFConversionError(f"GGUF quantization to {quant} failed: llama_model_quantize returned {rc} for {src}")
 
 
 def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.PathLike,
-                converter_dir: str | os.PathLike | None = None, threads: int = 1) -> Path:
-    """The GGUF of ``model_dir`` in ``quant``, converted (and quantized) once and cached."""
+                converter_dir: str | os.PathLike | None = None, threads: int = 1, pure: bool = False) -> Path:
+    """The GGUF of ``model_dir`` in ``quant``, converted (and quantized) once and cached. pure: the
+    like-for-like policy for q8_0 / q4_0 (see `quantize`), quantized from the bf16 GGUF."""
     from filelock import FileLock
 
     quant = quant.lower()
     if quant not in SUPPORTED_QUANTS:
         raise ValueError(f"llama_cpp quant {quant!r} is not supported; choose one of {', '.join(SUPPORTED_QUANTS)}")
+    if pure and quant not in PURE_TYPES:
+        raise ValueError(f"the pure (like-for-like) policy supports {', '.join(PURE_TYPES)}, not {quant!r}")
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise GGUFConversionError(f"GGUF conversion failed: {model_dir} is not a Hugging Face checkpoint (no config.json)")
@@ -278,11 +296,11 @@ def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.Pa
     with FileLock(str(out_dir / "hash_memo.json.lock")):
         ckpt = checkpoint_hash(model_dir, out_dir / "hash_memo.json")
     key = hashlib.sha256(f"{ckpt}|llama-cpp-python={llama_cpp_python_version()}".encode()).hexdigest()[:20]
-    out = out_dir / f"{key}-{quant}.gguf"
+    out = out_dir / f"{key}-{quant}{'-pure' if pure else ''}.gguf"
     with FileLock(str(out) + ".lock"):
         if out.is_file():
             return out
-        if quant in CONVERTER_TYPES:
+        if quant in CONVERTER_TYPES and not pure:
             converter = find_converter(converter_dir)
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             try:
@@ -294,7 +312,7 @@ def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.Pa
             src = ensure_gguf(model_dir, "bf16", cache_dir, converter_dir, threads)
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             try:
-                quantize(src, tmp, quant, threads)
+                quantize(src, tmp, quant, threads, pure=pure)
                 os.replace(tmp, out)
             finally:
                 tmp.unlink(missing_ok=True)
@@ -309,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default=str(_user_cache_root()))
     ap.add_argument("--converter-dir", default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--pure", action="store_true", help="q8_0/q4_0 like for like with fiddler's quant: "
+                    "experts and attention in the type, embeddings and output bf16")
     args = ap.parse_args(argv)
     if args.fetch:
         print(find_converter(args.converter_dir))
@@ -316,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if not args.model_dir:
         ap.error("model_dir is required unless --fetch is given")
-    print(ensure_gguf(args.model_dir, args.quant, args.cache_dir, args.converter_dir, args.threads))
+    print(ensure_gguf(args.model_dir, args.quant, args.cache_dir, args.converter_dir, args.threads, args.pure))
     return 0
 
 

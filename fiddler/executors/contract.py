@@ -99,6 +99,9 @@ class BuildContext:
     max_batch: int
     cpu_threads: int | None = None  # None: every core
     seed: int = 0
+    # None, or "q8_0" / "q4_0": the experts handed to the factory hold llama.cpp block bytes (uint8
+    # [rows, row bytes], fiddler.quant) instead of dense weights
+    quant: str | None = None
 
 
 class ExecutorFactory(Protocol):

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import quant as fquant
 from ..kernel_loader import load_kernels
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
@@ -25,14 +26,21 @@ class LocalExperts(ExpertExecutor):
     accumulated in fp32 per token, like transformers' grouped_mm path."""
 
     def __init__(self, config, experts: list[list[ExpertWeights]], device, dtype: torch.dtype,
-                 use_kernel: bool | None = None):
+                 use_kernel: bool | None = None, quant: str | None = None):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.quant = fquant.check_quant(quant)
         k = load_kernels()
         if use_kernel is None:
             use_kernel = self.device.type == "cpu" and dtype == torch.bfloat16
         self.packed = None
         self.experts = None
-        if use_kernel and k is not None:
+        H, F_ = config.hidden_size, config.intermediate_size
+        if self.quant is not None and use_kernel and k is not None:
+            self.packed = [[fquant.pack_expert(e, self.quant, H, F_) for e in layer] for layer in experts]
+        elif self.quant is not None:  # torch on the dequantized blocks (any device)
+            self.experts = [[fquant.dequantize_expert(ExpertWeights(*(w.to(self.device) for w in (e.w1, e.w3, e.w2))),
+                                                      self.quant, H, F_, dtype) for e in layer] for layer in experts]
+        elif use_kernel and k is not None:
             self.packed = [[k.PackedExpert(e.w1, e.w3, e.w2) for e in layer] for layer in experts]
         else:
             self.experts = [
@@ -46,7 +54,7 @@ class LocalExperts(ExpertExecutor):
 
     def info(self) -> dict[str, Any]:
         return {"executor": f"{__name__}.LocalExperts", "device": str(self.device),
-                "dtype": str(self.dtype).replace("torch.", ""),
+                "dtype": str(self.dtype).replace("torch.", ""), "quant": self.quant,
                 "cpu_expert_path": "kernel" if self.packed is not None else "torch"}
 
     def _ffn(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -78,4 +86,4 @@ class LocalExperts(ExpertExecutor):
 
 def local_executor(ctx: BuildContext, experts: list[list[ExpertWeights]]) -> LocalExperts:
     """Factory (fiddler.executors.ExecutorFactory): all experts on the GPU side's device, no placement."""
-    return LocalExperts(ctx.config, experts, ctx.gpu.device, ctx.dtype)
+    return LocalExperts(ctx.config, experts, ctx.gpu.device, ctx.dtype, quant=ctx.quant)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import hardware
+from .. import quant as fquant
 from ..gpu_side import GpuSide
 from ..kernel_loader import load_kernels
 from ..latency import LatencyModel, calibrate
@@ -136,7 +137,7 @@ class FiddlerExecutor(ExpertExecutor):
     def __init__(self, config, experts: list[list[ExpertWeights | None]], *, gpu: GpuSide, dtype: torch.dtype,
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None,
                  threads: Threads, use_kernel: bool = True, calibration_tokens: int = 128,
-                 take_ownership: bool = False):
+                 take_ownership: bool = False, quant: str | None = None):
         self.config, self.gpu, self.dtype = config, gpu, dtype
         self.device = gpu.device
         self.cuda = gpu.is_cuda
@@ -151,7 +152,8 @@ class FiddlerExecutor(ExpertExecutor):
             raise ValueError("a placement with resident experts needs a GPU budget")
         self.planner_name = planner if gpu.has_gpu else "cpu"
         self.planner = get_planner(self.planner_name)
-        self.expert_bytes = int(config.expert_bytes(dtype))
+        self.quant = fquant.check_quant(quant)
+        self.expert_bytes = int(config.expert_bytes(dtype, self.quant))
         k = load_kernels()
         self.kernel = k if (use_kernel and k is not None and dtype == torch.bfloat16) else None
         # A decode row whose experts all run on the CPU goes to the kernel in one call (False: the general
@@ -162,7 +164,7 @@ class FiddlerExecutor(ExpertExecutor):
         # Double buffer for copied-in experts (kind b), allocated once; its size is in the reservation.
         self.buffers: list[ExpertWeights] = []
         if gpu.has_gpu and placement.num_resident < L * E:
-            self.buffers = [empty_expert(config, dtype, self.device) for _ in range(COPY_BUFFERS)]
+            self.buffers = [self._empty_expert() for _ in range(COPY_BUFFERS)]
         self.copy_in = CopyIn(self.device, COPY_BUFFERS)
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
@@ -182,7 +184,8 @@ class FiddlerExecutor(ExpertExecutor):
         entries are cleared too, so the memory is freed expert by expert instead of doubling at peak."""
         L, E, dtype, has_gpu = self.config.num_moe_layers, self.config.expert_slots, self.dtype, self.gpu.has_gpu
         self.host: list[list[ExpertWeights | None]] = [
-            [ExpertWeights(*(w if w.dtype == dtype else w.to(dtype) for w in (e.w1, e.w3, e.w2))) for e in layer]
+            [ExpertWeights(*(w if (w.dtype == dtype or self.quant) else w.to(dtype) for w in (e.w1, e.w3, e.w2)))
+             for e in layer]
             for layer in experts]
         self.resident: list[list[ExpertWeights | None]] = [[None] * E for _ in range(L)]
         self.packed: list[list[Any]] = [[None] * E for _ in range(L)]
@@ -198,11 +201,32 @@ class FiddlerExecutor(ExpertExecutor):
                     if has_gpu and not _host_memory_for(self.expert_bytes):
                         self.pack_skipped += 1  # kind b needs the HF-layout copy: keep it, skip packing
                     else:
-                        self.packed[l][e] = self.kernel.PackedExpert(h.w1, h.w3, h.w2)
+                        self.packed[l][e] = self._pack(h)
                         if not has_gpu:
                             self.host[l][e] = None
                 if take_ownership:
                     experts[l][e] = None
+
+    # ------------------------------------------------------------------ dense or quantized experts
+
+    def _pack(self, h: ExpertWeights):
+        """The CPU kernel's copy of a host expert (bf16 packed, or quantized blocks packed)."""
+        if self.quant is not None:
+            return fquant.pack_expert(h, self.quant, self.config.hidden_size, self.config.intermediate_size)
+        return self.kernel.PackedExpert(h.w1, h.w3, h.w2)
+
+    def _dense(self, w: ExpertWeights) -> ExpertWeights:
+        """Weights torch computes with: quantized experts (resident or copied in as block bytes) are
+        dequantized where they are, i.e. on the GPU side."""
+        if self.quant is None:
+            return w
+        return fquant.dequantize_expert(w, self.quant, self.config.hidden_size, self.config.intermediate_size,
+                                        self.dtype)
+
+    def _empty_expert(self) -> ExpertWeights:
+        if self.quant is not None:
+            return fquant.empty_expert_blocks(self.config, self.quant, self.device)
+        return empty_expert(self.config, self.dtype, self.device)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -223,6 +247,7 @@ class FiddlerExecutor(ExpertExecutor):
             "pack_skipped_low_memory": self.pack_skipped,
             "overlap": th.overlap, "cpu_threads": th.cpu_queue, "gpu_side_threads": th.gpu_side,
             "all_threads": th.all, "copy_buffers": len(self.buffers), "expert_bytes": self.expert_bytes,
+            "quant": self.quant,
         }
 
     def close(self) -> None:
@@ -252,7 +277,7 @@ class FiddlerExecutor(ExpertExecutor):
         p = self.packed[layer][e]
         if p is not None:
             return p.forward(x, out=out, threads=threads)
-        return out.copy_(torch_expert(self.host[layer][e], x))
+        return out.copy_(torch_expert(self._dense(self.host[layer][e]), x))
 
     def _run_cpu_queue(self, layer: int, experts: list[int], sizes: list[int], x_host: torch.Tensor,
                        ready: Any, threads: int) -> tuple[torch.Tensor, float]:
@@ -326,7 +351,7 @@ class FiddlerExecutor(ExpertExecutor):
             for e, buf_slot in queue:
                 w = self.resident[layer][e] if buf_slot is None else self._copy_in(layer, e, buf_slot)
                 t_e, s_e = groups.pairs(e)
-                combined.put(t_e, s_e, torch_expert(w, x.index_select(0, t_e)), topk_w)
+                combined.put(t_e, s_e, torch_expert(self._dense(w), x.index_select(0, t_e)), topk_w)
                 if buf_slot is not None:
                     self.copy_in.release(buf_slot)
         finally:
@@ -364,7 +389,8 @@ class FiddlerExecutor(ExpertExecutor):
         packed = self.packed[layer]
         if any(d is not None and (d != CPU or packed[e] is None) for e, d in enumerate(plan.decisions)):
             return None
-        out = self.kernel.moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
+        moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
+        out = moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
         wall = time.perf_counter() - t_start
         self._account(layer, plan, len(ids), wall, wall)
         return out
@@ -409,10 +435,10 @@ class FiddlerExecutor(ExpertExecutor):
         packed_tmp = self.packed[pl][pe] is None and self.kernel is not None
         if packed_tmp:
             h = self.host[pl][pe]
-            self.packed[pl][pe] = self.kernel.PackedExpert(h.w1, h.w3, h.w2)
+            self.packed[pl][pe] = self._pack(h)
         buffers_tmp = not self.buffers
         if buffers_tmp:  # everything resident: borrow buffers just to time a copy
-            self.buffers = [empty_expert(self.config, self.dtype, self.device) for _ in range(COPY_BUFFERS)]
+            self.buffers = [self._empty_expert() for _ in range(COPY_BUFFERS)]
         gen = torch.Generator().manual_seed(0)
         xs = {s: torch.randn(s, H, generator=gen).to(self.dtype).to(self.device) for s in counts}
         sync = torch.cuda.synchronize if self.cuda else (lambda: None)
@@ -437,7 +463,7 @@ class FiddlerExecutor(ExpertExecutor):
             if th.gpu_side is not None:
                 torch.set_num_threads(th.gpu_side)
             try:
-                torch_expert(self.buffers[0], xs[s])
+                torch_expert(self._dense(self.buffers[0]), xs[s])
             finally:
                 torch.set_num_threads(prev)
             sync()
@@ -447,14 +473,14 @@ class FiddlerExecutor(ExpertExecutor):
             sync()
 
         key = (H, F_, str(self.dtype), str(self.device), th.cpu_queue, th.all, th.gpu_side, th.overlap,
-               self.kernel is not None, tuple(counts))
+               self.kernel is not None, tuple(counts), self.quant)
         try:
             self._copy_in(pl, pe, 0)
             sync()
             lm = calibrate(cpu_fn, gpu_fn, copy_fn, token_counts=counts, repeats=repeats, cache_key=key,
                            meta={"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                                  "cpu_threads": th.cpu_queue, "gpu_side_threads": th.gpu_side,
-                                 "overlap": th.overlap, "expert_bytes": self.expert_bytes,
+                                 "overlap": th.overlap, "expert_bytes": self.expert_bytes, "quant": self.quant,
                                  "cpu_expert_path": f"kernel:{self.kernel.isa()}" if self.kernel else "torch",
                                  "gpu_side": "cuda" if self.cuda else "cpu (emulated GPU)"})
         finally:
@@ -474,7 +500,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
                    placement: str | Placement = "popularity", popularity=None, planner: str = "makespan",
                    latency_model=None, cpu_threads: int | None = None, seed: int = 0,
                    dtype: torch.dtype | None = None, overlap: bool | None = None,
-                   take_ownership: bool = False) -> FiddlerExecutor:
+                   take_ownership: bool = False, quant: str | None = None) -> FiddlerExecutor:
     """Fiddler's executor for `experts` [layer][expert].
 
     gpu: where the GPU side is and its budget (GpuSide). Without a GPU every expert runs on the CPU (kind
@@ -485,17 +511,24 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
     dtype: the model dtype (default: the experts' dtype).
     overlap: run the CPU queue on a worker thread concurrently with the GPU side (see Threads.choose).
     take_ownership: clear the entries of `experts` as they are taken over (the list is unusable afterwards).
+    quant: None, or "q8_0" / "q4_0" when `experts` hold llama.cpp block bytes (fiddler.quant): the CPU
+      kernel computes on them, the GPU side stores/copies them and dequantizes, placement counts them.
     """
+    quant = fquant.check_quant(quant)
+    if dtype is None and quant is not None:
+        raise ValueError("build_executor: quantized experts need the model dtype")
     dtype = dtype or experts[0][0].w1.dtype
     if isinstance(placement, Placement):
         pl = placement
     else:
         strategy, kw = parse_placement(placement)
         pl = place(config, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
-                   strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, **kw)
+                   strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, quant=quant,
+                   **kw)
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
-                           calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership)
+                           calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,
+                           quant=quant)
 
 
 @dataclass(frozen=True)
@@ -513,4 +546,5 @@ class FiddlerPolicy:
         return build_executor(ctx.config, experts, gpu=ctx.gpu, max_seq_len=ctx.max_seq_len,
                               max_batch=ctx.max_batch, placement=self.placement, popularity=self.popularity,
                               planner=self.planner, latency_model=self.latency_model, cpu_threads=ctx.cpu_threads,
-                              seed=ctx.seed, dtype=ctx.dtype, overlap=self.overlap, take_ownership=True)
+                              seed=ctx.seed, dtype=ctx.dtype, overlap=self.overlap, take_ownership=True,
+                              quant=ctx.quant)

@@ -463,3 +463,5 @@ if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_ISA"):
     set_isa(os.environ["FIDDLER_KERNEL_ISA"])
 if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_STREAM"):
     set_stream(os.environ["FIDDLER_KERNEL_STREAM"], source="FIDDLER_KERNEL_STREAM")
+
+from . import quant  # noqa: E402,F401 -- quantized weights (Q8_0 / Q4_0); needs the names above

@@ -40,7 +40,8 @@ class FiddlerSimPolicy(SimPolicy):
     name = "fiddler"
 
     def __init__(self, planner: str = "makespan", placement: str | Placement = "popularity",
-                 overlap: bool = True):
+                 overlap: bool = True, quant: str | None = None):
+        self.weight_quant = quant  # the engine's quant=: experts and attention projections as llama.cpp blocks
         self.planner_name = planner
         self.placement_spec = placement
         self.overlap = bool(overlap)
@@ -54,10 +55,12 @@ class FiddlerSimPolicy(SimPolicy):
                 strategy, kw = parse_placement(self.placement_spec)
                 self.placement = place(cfg, ctx.dtype, ctx.gpu_budget_bytes, max_seq_len=ctx.max_seq_len,
                                        max_batch=ctx.max_batch, strategy=strategy,
-                                       popularity=Popularity.for_config(cfg, ctx.popularity), seed=ctx.seed, **kw)
+                                       popularity=Popularity.for_config(cfg, ctx.popularity), seed=ctx.seed,
+                                       quant=ctx.quant, **kw)
         else:
-            self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch)
-        self.lm = ctx.hw.latency_model(cfg, ctx.dtype)
+            self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch,
+                                   quant=ctx.quant)
+        self.lm = ctx.hw.latency_model(cfg, ctx.dtype, ctx.quant)
         self.active_planner = self.planner_name if ctx.has_gpu else "cpu"
         self.planner = get_planner(self.active_planner)
         self._plans: dict[tuple, Any] = {}

@@ -62,9 +62,9 @@ class SimHardware:
     def cpu_gflops(self) -> float:
         return self.threads * self.eff.cpu.gemm_gflops_per_core
 
-    def latency_model(self, config, dtype: torch.dtype) -> LatencyModel:
-        """The planner's per-expert model, by the engine's own constructor."""
-        return LatencyModel.from_hardware_spec(self.spec, config, dtype, cpu_threads=self.threads)
+    def latency_model(self, config, dtype: torch.dtype, quant: str | None = None) -> LatencyModel:
+        """The planner's per-expert model, by the engine's own constructor (quant: quantized expert bytes)."""
+        return LatencyModel.from_hardware_spec(self.spec, config, dtype, cpu_threads=self.threads, quant=quant)
 
     # ------------------------------------------------------------------ costs (seconds)
     def cpu(self, nbytes: float, flops: float, *, bw_fraction: float | None = None,

@@ -41,13 +41,15 @@ class Step:
 class ModelCosts:
     """Bytes and FLOPs of the non-expert work and of one expert, per step."""
 
-    def __init__(self, config: MoEConfig, dtype: torch.dtype):
-        self.config, self.dtype = config, dtype
+    def __init__(self, config: MoEConfig, dtype: torch.dtype, quant: str | None = None):
+        self.config, self.dtype, self.quant = config, dtype, quant
         s = dtype.itemsize
         self.itemsize = s
         self.layer_params = config.layer_non_expert_params()  # a MoE layer's attention, norms, router
-        self.layer_bytes = self.layer_params * s
-        self.expert_bytes = int(config.expert_bytes(dtype))
+        # quant (fiddler.quant): the attention projections and experts as llama.cpp blocks
+        self.layer_bytes = (self.layer_params * s - config.attention_params() * s
+                            + config.attention_bytes(dtype, quant))
+        self.expert_bytes = int(config.expert_bytes(dtype, quant))
         self.expert_flops_per_token = 2 * config.expert_params()
         self.dense_mlp_params = 3 * config.hidden_size * config.dense_intermediate_size  # a dense layer's MLP
         self.kv_bytes_per_position = config.kv_cache_bytes(1, 1, dtype) / config.num_layers  # one layer, one row
@@ -96,10 +98,11 @@ class SimContext:
     max_batch: int
     seed: int = 0
     popularity: Popularity | None = None  # for placement; None = uniform
+    quant: str | None = None  # expert/attention weights as llama.cpp blocks (fiddler.quant); None = dtype
     costs: ModelCosts = field(init=False)
 
     def __post_init__(self):
-        self.costs = ModelCosts(self.config, self.dtype)
+        self.costs = ModelCosts(self.config, self.dtype, self.quant)
         self._moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
 
     def moe_index(self, layer: int) -> int:
@@ -116,6 +119,8 @@ class SimPolicy(abc.ABC):
     `embed`/`head` run on the GPU when there is one, else on the CPU."""
 
     name: str = "policy"
+    # the weight type whose bytes the run's costs count (SimContext.quant); None = the model dtype
+    weight_quant: str | None = None
 
     @abc.abstractmethod
     def setup(self, ctx: SimContext) -> None:

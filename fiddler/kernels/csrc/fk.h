@@ -102,6 +102,7 @@ uint64_t read_generic(const void* p, int64_t n, int hint, int64_t dist);
 #if defined(__x86_64__)
 // the AVX512-BF16 epilogues and probe read, reused by the AMX path
 void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h);
+void silu_mul_f32_avx512(const float* a, const float* b, int64_t n, float* h);  // h kept fp32 (quantized path)
 void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
 uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist);
 extern const IsaOps kAvx2Ops;

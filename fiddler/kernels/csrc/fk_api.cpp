@@ -2,6 +2,7 @@
 // Thin wrappers: the work lives in fk_cpu.cpp, fk_tuning.cpp, fk_pool.cpp, fk_driver.cpp and
 // fk_probe.cpp (see fk_internal.h). Errors return -1 (or a negative value) and fk_last_error().
 #include "fk_internal.h"
+#include "fk_quant.h"
 
 #define FK_API extern "C" __attribute__((visibility("default")))
 
@@ -64,6 +65,35 @@ FK_API int fk_linear(const void* packed, int64_t n, int64_t k, const uint16_t* x
                      const float* bias, void* y, int out_f32, int threads) {
   return linear(packed, n, k, x, tokens, bias, y, out_f32 != 0, threads);
 }
+
+// ---------------------------------------------------------------- quantized weights (fk_quant.h)
+// fmt: 0 = Q8_0, 1 = Q4_0 (llama.cpp's blocks); mode: 0 = a8, 1 = w, -1 = the per-CPU default.
+FK_API int64_t fk_qpacked_bytes(int fmt, int64_t n, int64_t k, int groups) { return qpacked_bytes(fmt, n, k, groups); }
+FK_API int fk_qpack(int fmt, const uint8_t* const* src, int groups, int64_t n, int64_t k, void* dst, int threads) {
+  return qpack(fmt, src, groups, n, k, dst, threads);
+}
+FK_API int fk_qunpack(int fmt, const void* packed, int groups, int g, int64_t n, int64_t k, uint8_t* dst) {
+  return qunpack(fmt, packed, groups, g, n, k, dst);
+}
+FK_API int fk_quantize_rows(int fmt, const float* x, int64_t n, int64_t k, uint8_t* dst, int threads) {
+  return quantize_rows(fmt, x, n, k, dst, threads);
+}
+FK_API int fk_qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
+                      const float* bias, void* y, int out_f32, int threads) {
+  return qlinear(fmt, packed, n, k, x, tokens, bias, y, out_f32 != 0, threads);
+}
+FK_API int fk_qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const uint16_t* x,
+                          int64_t tokens, uint16_t* y, int threads) {
+  return qexpert_ffn(fmt, p13, p2, hidden, ffn, x, tokens, y, threads);
+}
+FK_API int fk_qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts,
+                       int64_t hidden, int64_t ffn, const uint16_t* x, int64_t tokens, uint16_t* y, int threads) {
+  return qmoe_ffn(fmt, p13, p2, w, n_experts, hidden, ffn, x, tokens, y, threads);
+}
+FK_API int fk_set_qmode(int mode, int isa) { return set_qmode(mode, isa); }
+FK_API int fk_qmode() { return qmode(); }
+FK_API int fk_qisa() { return qisa(); }
+FK_API const char* fk_qmode_source() { return qmode_source(); }
 
 // ---------------------------------------------------------------- probe
 // GB/s of a streaming read of buf[0, nbytes) (see fk_probe.cpp); negative on error.

@@ -101,6 +101,16 @@ void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h
   }
 }
 
+void silu_mul_f32_avx512(const float* a, const float* b, int64_t n, float* h) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 va = _mm512_maskz_loadu_ps(k, a + i), vb = _mm512_maskz_loadu_ps(k, b + i);
+    const __m512 s = _mm512_div_ps(va, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                     exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), va))));
+    _mm512_mask_storeu_ps(h + i, k, _mm512_mul_ps(s, vb));
+  }
+}
+
 void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);

@@ -1,0 +1,193 @@
+"""fiddler.kernels.quant: llama.cpp-compatible Q8_0/Q4_0 blocks (quantizer and block bytes checked
+against the gguf package's reference implementation), and every compiled quantized path in both modes
+against an fp64 reference computed from the dequantized weights: odd sizes, 1..257 tokens, the
+AVX2-only path under an emulated Haswell."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fiddler.kernels as fk
+
+pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernel library not built: {fk.load_error()}")
+if fk.is_available():
+    from fiddler.kernels import quant as fq
+
+FEATS = fk.features() if fk.is_available() else {}
+QISAS = [
+    pytest.param("avx512_vnni", marks=pytest.mark.skipif(
+        not (FEATS.get("avx512_vnni") and FEATS.get("avx512bw") and FEATS.get("os_avx512")), reason="no AVX512-VNNI")),
+    pytest.param("avx2", marks=pytest.mark.skipif(not (FEATS.get("avx2") and FEATS.get("f16c")), reason="no AVX2+F16C")),
+    "generic",
+]
+FORMATS = ["q8_0", "q4_0"]
+MODES = ["a8", "w"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode():
+    yield
+    fq.set_mode("auto")
+
+
+def acts_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """The activations the a8 mode computes with, as fp64: Q8_0 per 32-block as llama.cpp's x86
+    quantize_row_q8_0 (d = amax / 127 rounded to fp16, q = round-half-even(x * 127 / amax))."""
+    T, k = x.shape
+    kp = (k + 63) // 64 * 64
+    v = torch.zeros(T, kp, dtype=torch.float32)
+    v[:, :k] = x.float()
+    b = v.view(T, -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    # 127 / amax correctly rounded to fp32 (torch's fp32 division of a scalar by a tensor is not always)
+    idv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    q = torch.round(b * idv)
+    d = (amax / 127.0).half().double()
+    return (q.double() * d).view(T, kp)[:, :k]
+
+
+def ref_linear(blocks, fmt, k, x, mode):
+    w = fq.dequantize(blocks, fmt, k, torch.float64)
+    xr = acts_q8_0(x) if mode == "a8" else x.double()
+    return xr @ w.T
+
+
+def ref_expert(e: "fq.QuantExpert", x, mode):
+    w1, w3, w2 = e.dequantized(torch.float64)
+    xr = acts_q8_0(x) if mode == "a8" else x.double()
+    h = (F.silu(xr @ w1.T) * (xr @ w3.T)).float()  # the quantized path keeps h in fp32, as llama.cpp does
+    hr = acts_q8_0(h) if mode == "a8" else h.double()
+    return hr @ w2.T
+
+
+def rel(y, r):
+    return ((y.double() - r).norm() / r.norm()).item()
+
+
+# ------------------------------------------------------------------ blocks: bit-compatible with llama.cpp
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantizer_matches_gguf_reference(fmt):
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(37, 96, generator=g) * 0.02
+    w[0, :32] = 0.0  # an all-zero block: d = 0
+    w[1, 5] = 3.0  # one outlier dominating its block
+    ours = fq.quantize(w, fmt).numpy()
+    qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[fmt]
+    theirs = gguf.quants.quantize(w.numpy().astype(np.float32), qt)
+    assert np.array_equal(ours, theirs.reshape(ours.shape))
+    deq = gguf.quants.dequantize(theirs, qt).reshape(37, 96)
+    assert np.array_equal(fq.dequantize(torch.from_numpy(ours), fmt).numpy(), deq)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_round_trips_block_bytes(fmt):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(45, 160, generator=g)
+    blocks = fq.quantize(w, fmt)
+    assert torch.equal(fq.QuantLinear(blocks, fmt, 45, 160).blocks(), blocks)
+    e = fq.QuantExpert.from_float(torch.randn(40, 96, generator=g), torch.randn(40, 96, generator=g),
+                                  torch.randn(96, 40, generator=g), fmt)
+    w1, w3, w2 = e.blocks()
+    assert w1.shape == (40, fq.row_bytes(fmt, 96)) and w2.shape == (96, fq.row_bytes(fmt, 40))
+    e2 = fq.QuantExpert(w1, w3, w2, fmt, 96, 40)
+    assert all(torch.equal(a, b) for a, b in zip(e.packed(), e2.packed()))
+    assert e.nbytes == e.packed()[0].numel() + e.packed()[1].numel()
+
+
+def test_packed_bytes_are_the_block_bytes_plus_padding():
+    # Mixtral-like shape, no padding: exactly the GGUF bytes (34 / 18 per 32 weights)
+    for fmt, per in (("q8_0", 34), ("q4_0", 18)):
+        lin = fq.QuantLinear.from_float(torch.randn(64, 256), fmt)
+        assert lin.nbytes == 64 * 256 // 32 * per
+
+
+# ------------------------------------------------------------------ numerics of every path and mode
+@pytest.mark.parametrize("isa", QISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k,tokens", [(33, 70, 1), (16, 64, 2), (100, 257, 9), (47, 1000, 17), (19, 96, 257)])
+def test_linear_against_fp64(isa, mode, fmt, n, k, tokens):
+    fq.set_mode(mode, isa)
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    lin = fq.QuantLinear.from_float(w, fmt)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    y = lin(x, out_dtype=torch.float32)
+    r = ref_linear(lin.blocks(), fmt, k, x, mode)
+    # fp32 sums of exact products (a8: integer dot products) against fp64: far below bf16's 2^-8
+    assert rel(y, r) < 1e-5, rel(y, r)
+    yb = lin(x)  # bf16 output: one rounding of the fp32 result
+    assert torch.equal(yb, y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", QISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("hidden,ffn,tokens", [(40, 72, 1), (96, 160, 5), (64, 130, 33)])
+def test_expert_and_moe_against_fp64(isa, mode, fmt, hidden, ffn, tokens):
+    fq.set_mode(mode, isa)
+    g = torch.Generator().manual_seed(hidden + ffn)
+    experts = [fq.QuantExpert.from_float(torch.randn(ffn, hidden, generator=g) / hidden**0.5,
+                                         torch.randn(ffn, hidden, generator=g) / hidden**0.5,
+                                         torch.randn(hidden, ffn, generator=g) / ffn**0.5, fmt) for _ in range(3)]
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    refs = [ref_expert(e, x, mode) for e in experts]
+    ys = [e(x) for e in experts]
+    for y, r in zip(ys, refs):
+        # the bf16 output's rounding (2^-9 relative per element); a8: a last-bit difference of h can move
+        # one activation block's scale
+        assert rel(y, r) < 3e-3, rel(y, r)
+    wts = torch.tensor([0.5, 0.3, 0.2]).to(torch.bfloat16)
+    out = fq.moe_ffn(experts, wts, x)
+    # the same roundings as the executor's torch combine of the per-expert outputs
+    comb = sum((y * w).float() for y, w in zip(ys, wts)).to(torch.bfloat16)
+    assert torch.equal(out, comb)
+
+
+def test_modes_and_paths_are_reported_and_validated():
+    m = fq.set_mode("auto")
+    assert m["mode"] in ("a8", "w") and m["source"] == "default"
+    assert fq.set_mode("w", "generic") == {"mode": "w", "isa": "generic", "source": "set"}
+    with pytest.raises(ValueError, match="unknown quantized mode"):
+        fq.set_mode("int4")
+    with pytest.raises(ValueError, match="unknown quant format"):
+        fq.quantize(torch.randn(4, 32), "q5_k")
+    lin = fq.QuantLinear.from_float(torch.randn(8, 64), "q8_0")
+    with pytest.raises(ValueError):
+        lin(torch.randn(2, 63).to(torch.bfloat16))
+    with pytest.raises(TypeError):
+        lin(torch.randn(2, 64))
+
+
+_HASWELL = """
+import torch
+from fiddler.kernels import quant as fq
+torch.manual_seed(0)
+for fmt in ("q8_0", "q4_0"):
+    for mode in ("a8", "w"):
+        fq.set_mode(mode)
+        w = torch.randn(40, 96) / 10
+        lin = fq.QuantLinear.from_float(w, fmt)
+        x = torch.randn(3, 96).to(torch.bfloat16)
+        y = lin(x, out_dtype=torch.float32).double()
+        r = x.double() @ fq.dequantize(lin.blocks(), fmt, 96, torch.float64).T
+        assert ((y - r).norm() / r.norm()).item() < (2e-2 if mode == "a8" else 1e-5)
+print("QISA", fq.mode()["isa"])
+"""
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (apt-get install qemu-user)")
+def test_quantized_path_runs_on_haswell_without_avx512():
+    # qemu's TCG has no AVX-512: an AVX-512/VNNI instruction reached here would be SIGILL
+    r = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", _HASWELL], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "QISA avx2" in r.stdout

@@ -103,3 +103,27 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
     mod.publish(stage, out, keep_validation=False)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in stage.iterdir())
     assert json.dumps(sorted(files)) and not (out / "stale.md").exists()
+
+
+def test_beyond_the_paper_rows_pair_each_model_card_and_weight_type():
+    """results/paper/beyond_the_paper.*: one row per model x card x system x weight type, Fiddler's speedup
+    over llama.cpp on the same model, card and weights, and a row whose every cell failed says why."""
+    from tests.test_paper_tables import rec
+
+    def r(system, model, quant, i, o, tok, status="ok"):
+        out = rec(system, "rtx3060", "single_batch", i, o, tok=tok, ttft=0.5, status=status, quant=quant)
+        out["config"]["model"] = {"name": model}
+        out["reason"] = None if status == "ok" else "dense part does not fit"
+        return out
+
+    recs = [r("fiddler", "m", None, 32, 256, 4.0), r("fiddler", "m", None, 64, 64, 2.0),
+            r("llama_cpp", "m", "bf16", 32, 256, 2.0), r("llama_cpp", "m", "bf16", 64, 64, 1.0),
+            r("fiddler", "m", "q4_0", 32, 256, 9.0), r("llama_cpp", "m", "q4_0", 32, 256, 3.0),
+            r("llama_cpp", "big", "bf16", 32, 256, None, status="skipped")]
+    text, csv = _reproduce().beyond_markdown(recs)
+    lines = {tuple(c.strip() for c in line.split("|")[1:5]): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 2/2 | 3.00 | 4.00 |" in lines[("m", "rtx3060", "fiddler", "bf16")]
+    assert "| 2.00x |" in lines[("m", "rtx3060", "fiddler", "bf16")]  # mean 3.0 over llama.cpp's mean 1.5
+    assert "| 3.00x |" in lines[("m", "rtx3060", "fiddler", "q4_0")]  # paired with llama.cpp at q4_0, not bf16
+    assert "0/1" in lines[("big", "rtx3060", "llama_cpp", "bf16")] and "does not fit" in text
+    assert text.startswith("# Beyond the paper") and "SIMULATED" in text and csv.count("\n") == 1 + 5  # header + one row per group

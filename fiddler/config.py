@@ -29,6 +29,17 @@ class UnsupportedModelError(ValueError):
     """A config.json describes a feature the engine does not implement (the message names it)."""
 
 
+class MissingConfigKey(KeyError, ValueError):
+    """config.json lacks a key its family needs; args[0] is the key (a KeyError, as callers expect)."""
+
+    def __init__(self, key: str, model_type: str | None):
+        super().__init__(key)
+        self.model_type = model_type
+
+    def __str__(self) -> str:
+        return f"{self.model_type} config.json lacks {self.args[0]!r}"
+
+
 def _unsupported(model_type: str, feature: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"{model_type}: unsupported feature: {feature}")
 
@@ -154,7 +165,7 @@ class MoEConfig:
         try:
             return cls._from_dict(cfg)
         except KeyError as e:
-            raise ValueError(f"{cfg.get('model_type')} config.json lacks {e.args[0]!r}") from None
+            raise MissingConfigKey(e.args[0], cfg.get("model_type")) from None
 
     @classmethod
     def _from_dict(cls, cfg: dict) -> "MoEConfig":

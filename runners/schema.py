@@ -201,7 +201,9 @@ class SimConfig:
     seed: int = 0
     cpu_class: Optional[str] = None  # None = from environment.cpu.name / isa (fiddler.sim.cpu_class_of)
     gpu_class: str = "nvidia"
-    efficiency: Dict[str, float] = field(default_factory=dict)  # e.g. {cpu.kernel_bw_fraction: 0.9}
+    # overrides of the class's factors, e.g. sim.efficiency={cpu:{kernel_bw_fraction:0.9}} or
+    # +sim.efficiency.gpu.bw_fraction=0.85 (fiddler/sim/efficiency.py names them)
+    efficiency: Dict[str, Dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("reuse", "speculative_recall"):
@@ -209,6 +211,16 @@ class SimConfig:
             _check(lambda: 0.0 <= v <= 1.0, f"sim.{key}", v, "a number in [0, 1]")
         _check(lambda: self.routing is not SimRouting.trace or bool(self.trace), "sim.routing", self.routing.value,
                "trace only with sim.trace=<routing trace file>")
+        if self.efficiency and self.efficiency != MISSING:
+            from fiddler.sim.efficiency import CPU_CLASSES, GPU_CLASSES  # only when overrides are given
+
+            known = {"cpu": next(iter(CPU_CLASSES.values())), "gpu": next(iter(GPU_CLASSES.values()))}
+            for part, factors in self.efficiency.items():
+                names = [k for k, v in vars(known.get(part, object())).items() if isinstance(v, float)]
+                _check(lambda: part in known, "sim.efficiency", part, "cpu.<factor> or gpu.<factor>")
+                for name in factors or {}:
+                    _check(lambda: name in names, f"sim.efficiency.{part}.{name}", factors[name],
+                           f"a factor of fiddler/sim/efficiency.py: {', '.join(names)}")
 
 
 @dataclass

@@ -81,7 +81,9 @@ class SimSetup:
         spec = hardware_spec(env, cpu_threads=int(threads))
         cpu_class = sim.get("cpu_class") or cpu_class_of(env["cpu"]["name"], env["cpu"]["isa"],
                                                          _host_amx() if env["name"] == "local" else None)
-        eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(sim.get("efficiency"))
+        overrides = {f"{part}.{k}": v for part, factors in (sim.get("efficiency") or {}).items()
+                     for k, v in (factors or {}).items()}
+        eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(overrides)
         self.hw = SimHardware.build(spec, eff, measured_limit=not env.get("described"))
         gb, _ = gpu_budget(cfg)
         budget = int(gb * 2**30) if gb > 0 and self.hw.has_gpu else None

@@ -114,3 +114,16 @@ def test_the_systems_own_thread_count_is_simulated(tmp_path):
     b = _run(tmp_path, "system=fiddler", "environment=rtx3060", "system.cpu_threads=1", name="b")[0]
     assert a["simulation"]["spec"]["threads"] == 6 and b["simulation"]["spec"]["threads"] == 1
     assert b["metrics"]["ttft_s"] > a["metrics"]["ttft_s"]
+
+
+def test_an_efficiency_override_from_the_command_line_is_used_and_recorded(tmp_path):
+    base = _run(tmp_path, "system=fiddler", "environment=rtx3060", name="a")[0]
+    slow = _run(tmp_path, "system=fiddler", "environment=rtx3060", "+sim.efficiency.cpu.kernel_bw_fraction=0.4",
+                name="b")[0]
+    assert slow["simulation"]["spec"]["efficiency"]["overrides"] == {"cpu.kernel_bw_fraction": 0.4}
+    assert "override" in slow["simulation"]["efficiency_sources"]["cpu"]["kernel_bw_fraction"]
+    assert slow["metrics"]["decode_tok_s"] < base["metrics"]["decode_tok_s"]
+    from runners.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="sim.efficiency.cpu.nonsense"):
+        _run(tmp_path, "system=fiddler", "environment=rtx3060", "+sim.efficiency.cpu.nonsense=1", name="c")

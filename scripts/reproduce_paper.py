@@ -7,7 +7,8 @@ ablations in simulate mode, the simulator's validation, and write results/paper/
     python scripts/reproduce_paper.py --validate-host  # validation (1) also executes on this host (measured)
 
 Each experiment is `python run.py -m +experiment=paper_<workload>` (conf/experiment/), run into a
-scratch directory with a fresh index, so earlier records never leak in. The outputs are a function of
+scratch directory with a fresh index, so earlier records never leak in; up to `--jobs` sweeps (default:
+2, or the cores there are) run side by side. The outputs are a function of
 the records only (runners/paper.py): no dates, paths or versions, fixed seeds, PNGs without metadata;
 two runs give byte-identical files, and the committed results/paper/ is exactly what this writes.
 Progress goes to stderr; the exit status is 1 when a sweep or the validation failed.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,18 +107,21 @@ BEYOND = (
 )
 
 
-def run_sweep(sweep: Sweep, work: Path, log, reuse: bool = False) -> tuple[list[dict], int]:
-    """Runs the sweep into work/<name> with its own index; returns its records and run.py's exit status."""
+def run_sweep(sweep: Sweep, work: Path, reuse: bool = False, quiet: bool = False) -> tuple[list[dict], int]:
+    """Runs the sweep into work/<name> with its own index; returns its records and run.py's exit status.
+    Its tables go to work/<name>.log; its progress bars to stderr unless `quiet` (sweeps run side by side)."""
     out = work / sweep.name
     if reuse:
         return collect([out]), 0
     cmd = [sys.executable, "run.py", "-m", *sweep.overrides, f"hydra.sweep.dir={out}",
-           f"run.index_path={work / 'index.jsonl'}", "run.resume=false"]
-    log.write(f"$ {' '.join(cmd)}\n")
-    log.flush()
+           f"run.index_path={work / (sweep.name + '.index.jsonl')}", "run.resume=false"]
+    if quiet:
+        cmd.append("run.progress=false")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # tables and per-job output go to the log; the progress bars (stderr) to the terminal
-    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=sys.stderr, env=env).returncode
+    with open(work / f"{sweep.name}.log", "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=log if quiet else sys.stderr, env=env).returncode
     recs = collect([out]) if out.exists() else []
     return recs, rc
 
@@ -384,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-beyond", action="store_true", help="skip the beyond-the-paper rows (families, Q4_0)")
     ap.add_argument("--validate-host", action="store_true",
                     help="validation (1) also executes small_mixtral on this host now (measured: not byte-identical)")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="sweeps run at once (default: %(default)s; the outputs do not depend on it)")
     ap.add_argument("--from-work", action="store_true",
                     help="re-render from the records an earlier run left in --work (runs no sweep)")
     args = ap.parse_args(argv)
@@ -395,49 +402,59 @@ def main(argv: list[str] | None = None) -> int:
     abl = [] if args.skip_ablations else ablations()
     beyond = () if args.skip_beyond else BEYOND
     total = len(EXPERIMENTS) + len(beyond) + len(abl) + (0 if args.skip_ablations else 1) + (0 if args.skip_validation else 1) + 1
-    step = 0
-    failed = []
+    failed: list[str] = []
     start = time.perf_counter()
     try:
-        with open(work / "run.log", "a") as log:
-            recs = []
-            for exp in EXPERIMENTS:
-                step += 1
-                _progress(step, total, f"experiment {exp} (python run.py -m +experiment={exp})")
-                got, rc = run_sweep(Sweep(exp, (f"+experiment={exp}",)), work, log, args.from_work)
-                recs += got
-                if rc != 0:
-                    failed.append(f"{exp}: run.py exited {rc}")
-            beyond_recs = []
-            for sw in beyond:
-                step += 1
-                _progress(step, total, f"beyond the paper: {sw.what}")
-                got, rc = run_sweep(sw, work, log, args.from_work)
-                beyond_recs += got
-                if rc != 0:
-                    failed.append(f"{sw.name}: run.py exited {rc}")
-            ablation_recs = {}
-            for ab in abl:
-                step += 1
-                _progress(step, total, f"ablation {ab.name}")
-                got, rc = run_sweep(ab.sweep, work, log, args.from_work)
-                ablation_recs[ab.name] = got
-                if rc != 0:
-                    failed.append(f"ablation {ab.name}: run.py exited {rc}")
-            if not args.skip_ablations:
-                step += 1
-                _progress(step, total, "ablation reuse (the routing's temporal-reuse parameter, every system)")
-                got, rc = run_sweep(REUSE_SWEEP, work, log, args.from_work)
-                ablation_recs["reuse"] = got
-                if rc != 0:
-                    failed.append(f"ablation reuse: run.py exited {rc}")
+        sweeps = [Sweep(exp, (f"+experiment={exp}",), f"experiment {exp} (python run.py -m +experiment={exp})")
+                  for exp in EXPERIMENTS]
+        sweeps += [Sweep(sw.name, sw.overrides, f"beyond the paper: {sw.what}") for sw in beyond]
+        sweeps += [Sweep(ab.sweep.name, ab.sweep.overrides, f"ablation {ab.name}") for ab in abl]
+        if not args.skip_ablations:
+            sweeps.append(Sweep(REUSE_SWEEP.name, REUSE_SWEEP.overrides,
+                                "ablation reuse (the routing's temporal-reuse parameter, every system)"))
         staging = Path(tempfile.mkdtemp(prefix="paper_out_", dir=work))
-        if not args.skip_validation:
-            step += 1
-            _progress(step, total, "validation (python -m runners.validate_sim)")
-            ok = write_validation(staging / "validation.md", args.validate_host)
-            if not ok:
-                failed.append("validation: a bound was not met (named above and in validation.md; every file was written)")
+        validation_ok: list[bool] = []
+
+        def validate() -> None:
+            validation_ok.append(write_validation(staging / "validation.md", args.validate_host))
+
+        # independent simulations, so up to --jobs at once (a live host check runs alone, after them)
+        def sweep_task(sw: Sweep):
+            print(f"      started: {sw.what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+            return run_sweep(sw, work, args.from_work, quiet=args.jobs > 1)
+
+        tasks = [(sw.what, (lambda sw=sw: sweep_task(sw))) for sw in sweeps]
+        if not args.skip_validation and not args.validate_host:
+            tasks.append(("validation (python -m runners.validate_sim)", validate))
+        results: dict[str, tuple[list[dict], int]] = {}
+        counter = iter(range(1, total + 1))
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = {}
+            for what, fn in tasks:
+                futures[pool.submit(fn)] = what
+            for fut in as_completed(futures):
+                value = fut.result()
+                _progress(next(counter), total, f"{futures[fut]}: done ({time.perf_counter() - start:.0f} s)")
+                if value is not None:
+                    results[futures[fut]] = value
+        if not args.skip_validation and args.validate_host:
+            _progress(next(counter), total, "validation (python -m runners.validate_sim, live host check)")
+            validate()
+        step = total - 1
+        recs, beyond_recs = [], []
+        ablation_recs = {}
+        for sw in sweeps:
+            got, rc = results[sw.what]
+            if rc != 0:
+                failed.append(f"{sw.name}: run.py exited {rc} (its log is {sw.name}.log in --work DIR)")
+            if sw.name in EXPERIMENTS:
+                recs += got
+            elif sw.name.startswith("beyond_"):
+                beyond_recs += got
+            else:
+                ablation_recs[sw.name.removeprefix("ablation_")] = got
+        if validation_ok and not validation_ok[0]:
+            failed.append("validation: a bound was not met (named above and in validation.md; every file was written)")
         step += 1
         _progress(step, total, f"tables and plots -> {out}")
         files = write_outputs(recs, ablation_recs, staging, beyond_recs)

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             _progress(step, total, "validation (python -m runners.validate_sim)")
             ok = write_validation(staging / "validation.md", args.validate_host)
             if not ok:
-                failed.append("validation: a bound was not met (see validation.md)")
+                failed.append("validation: a bound was not met (named above and in validation.md; every file was written)")
         step += 1
         _progress(step, total, f"tables and plots -> {out}")
         files = write_outputs(recs, ablation_recs, staging)

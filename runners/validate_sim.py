@@ -43,6 +43,15 @@ FIG4_EXTRA = {"fiddler": "fiddler", "mixtral_offloading": "mixtral_offloading"}
 # model the code that was measured decide the check, this project's re-implementation is shown beside them
 ADA_SYSTEMS = (("deepspeed_mii", "deepspeed_mii"), ("mixtral_offloading", "mixtral_offloading_original"),
                ("mixtral_offloading", "mixtral_offloading"))
+# Settings of the measured runs, where they differ from what the simulator derives from the budget.
+# Mixtral-Offloading's cache: the Fiddler authors set `offload_per_layer = 5` of 8 experts (3 cached per
+# layer) in their baseline script (github.com/efeslab/fiddler, branch batched_baseline,
+# benchmarks/eval-baseline.py at 8cc24c7 of 2024-05-20 and 6f1356e of 2024-05-21 23:02, the commits that
+# bracket the Ada 6000 prefill runs eval-2024-05-21-20-{04,14}-*.csv; the earlier 7471143 and the later
+# 852250f set 7). The derived size (4 on 48 GB) is what the budget allows, not what ran. With 7 (1 cached)
+# the released code's swaps could not reach the measured times: simulated TTFT 6.5 s vs 4.6-5.0 s measured,
+# decode 0.66 vs 1.0 tok/s; with 5 both are within 10% (validation.md).
+ADA_RUN_SETTINGS = {"mixtral_offloading_original": ("system.cache_size=3",)}
 ADA_INFORMATIONAL = ("mixtral_offloading",)
 
 
@@ -172,7 +181,8 @@ def check_ada6000() -> tuple[list[dict], dict[str, bool]]:
         ref = reference[(system, workload)]
         ins = sorted({int(r["input_len"]) for r in ref})
         outs = sorted({int(r["output_len"]) for r in ref})
-        recs = simulate(f"system={conf_name}", "model=mixtral_8x7b", "environment=paper_env2",
+        recs = simulate(f"system={conf_name}", *ADA_RUN_SETTINGS.get(conf_name, ()), "model=mixtral_8x7b",
+                        "environment=paper_env2",
                         f"workload={workload}", f"workload.input_lens=[{','.join(map(str, ins))}]",
                         f"workload.output_lens=[{','.join(map(str, outs))}]")
         by_point = {(r["point"]["input_len"], r["point"]["output_len"]): r for r in recs}
@@ -185,7 +195,8 @@ def check_ada6000() -> tuple[list[dict], dict[str, bool]]:
                 r = _ratio(sim, m[metric])
                 key = f"{conf_name} {metric}"
                 passed[key] = passed.get(key, True) and _within(r, bound)
-                rows.append({"system": system, "config": f"system={conf_name}", "workload": workload, "input": int(m["input_len"]),
+                config = " ".join((f"system={conf_name}", *ADA_RUN_SETTINGS.get(conf_name, ())))
+                rows.append({"system": system, "config": config, "workload": workload, "input": int(m["input_len"]),
                              "output": int(m["output_len"]), "metric": metric, "measured": m[metric],
                              "simulated": sim, "ratio": r, "pass": _within(r, bound)})
     return rows, passed
@@ -280,8 +291,10 @@ def report(host: tuple | None, ada: tuple, fig4: tuple, host_records: tuple | No
             f"Bounds: decode tok/s and TTFT ±{BOUNDS['ada_decode']:.0%}. All within, per configuration and "
             "metric: " + ", ".join(f"{s} **{'yes' if p else 'no'}**" for s, p in passed.items()) + ". "
             "`mixtral_offloading_original` models the released code the measurements ran (each miss a swap "
-            "with a write-back on the same stream, no prefetch); `mixtral_offloading` is this project's "
-            "re-implementation (prefetch, no write-back).", "", _table(rows)]
+            "with a write-back on the same stream, no prefetch) with the cache the authors' script set "
+            "(`offload_per_layer = 5`: 3 experts per layer cached; efeslab/fiddler batched_baseline, "
+            "benchmarks/eval-baseline.py); `mixtral_offloading` is this project's re-implementation "
+            "(prefetch, no write-back, cache derived from the budget).", "", _table(rows)]
     values, orders, ok = fig4
     out += ["## 3. The paper's Fig. 4 (input 32, output 256, end-to-end tok/s)", "",
             f"Every pairwise ordering as in the paper: **{'yes' if ok else 'no'}**. Paper values are read from "

@@ -24,12 +24,12 @@ def test_mixtral_offloadings_released_code_matches_the_ada6000_ttft_within_30_pe
     assert passed["mixtral_offloading_original ttft_s"]
 
 
-@pytest.mark.xfail(strict=True, reason="known miss, reported in validation.md: the measured decode is ~1.0 "
-                   "tok/s, the model of the released code gives 1.23-1.37x that (LRU cache of 4 per layer from "
-                   "48 GB at the calibrated reuse, swaps at 25 GB/s each way); 9 of 20 points within 30%; not fitted")
 def test_mixtral_offloadings_released_code_matches_the_ada6000_decode_within_30_percent(ada):
-    _, passed = ada
-    assert passed["mixtral_offloading_original decode_tok_s"]
+    rows, passed = ada
+    mo = [r for r in rows if r["config"].startswith("system=mixtral_offloading_original")]
+    # simulated with the cache the measured runs had (the authors' offload_per_layer = 5), not the derived 4
+    assert mo and all("system.cache_size=3" in r["config"] for r in mo)
+    assert passed["mixtral_offloading_original decode_tok_s"], [r for r in mo if not r["pass"]]
 
 
 def test_every_pairwise_ordering_of_the_papers_fig4_holds():

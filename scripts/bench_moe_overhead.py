@@ -32,6 +32,7 @@ from fiddler import kernels
 from fiddler.config import MoEConfig
 from fiddler.executors import GpuSide, build_executor
 from fiddler.executors.routing import ExpertGroups
+from fiddler.hardware import cpu_name
 from fiddler.latency import HardwareSpec, LatencyModel
 from fiddler.planner import get_planner
 from fiddler.weights import ExpertWeights
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     packed = cpu_ex.packed[0]
     eb = cfg.expert_bytes(torch.bfloat16)
     print(f"H={H} F={F} E={E} top-{K}; expert {eb / 2**20:.2f} MiB bf16; kernel {kernels.isa()}, "
-          f"{kernels.get_num_threads()} threads; CPU: {_cpu_name()}")
+          f"{kernels.get_num_threads()} threads; CPU: {cpu_name()}")
     for T in args.tokens:
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         times: dict[str, list[float]] = {"layer": [], "kernel": [], "plan": []}
@@ -103,16 +104,6 @@ def main(argv=None) -> int:
         print(f"   plan: {best['plan'] * 1e6:.0f} us best ({best['plan'] / best['kernel']:.1%} of the kernel), "
               f"{med['plan'] * 1e6:.0f} us median ({med['plan'] / med['kernel']:.1%})")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fiddler.hardware import cpu_name  # noqa: E402
 from runners.models import synthetic_model  # noqa: E402
 from runners.workloads import synthetic_prompt  # noqa: E402
 
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
                 rows.append(r)
         del fb, fq
         gc.collect()
-    meta = {"cpu": _cpu_name(), "threads": a.threads, "positions_per_sequence": a.positions,
+    meta = {"cpu": cpu_name(), "threads": a.threads, "positions_per_sequence": a.positions,
             "sequences": a.sequences, "seconds": time.time() - t0,
             "note": "measured on random-weight generated models (real models behave differently); "
                     "fiddler's CPU mode: " + _qmode()}
@@ -133,16 +133,6 @@ def main(argv=None) -> dict:
     (out / "quant_accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}/quant_accuracy.md and .json")
     return {"meta": meta, "rows": rows}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _qmode() -> str:

@@ -101,6 +101,22 @@ class FiddlerStats(StatsBase):
     def bytes_h2d(self) -> int:
         return self.bytes_h2d_weights + self.bytes_h2d_activations
 
+    def add_plan(self, layer: int, plan: LayerPlan, routed: int, wall: float = 0.0, cpu_s: float = 0.0) -> None:
+        """Count one MoE call of `layer`: its plan's decisions, predicted makespan and (when measured) its
+        wall and CPU-queue time (the executor and the simulator's Fiddler policy count alike)."""
+        ls = self.layers[layer]
+        for st in (self, ls):
+            st.calls += 1
+            for n, kind in zip(plan.counts, plan.decisions):
+                if kind is not None:
+                    st.tokens[kind] += n
+                    st.experts[kind] += 1
+            st.predicted_s += plan.makespan
+            st.wall_s += wall
+            st.cpu_queue_s += cpu_s
+        self.routed_tokens += routed
+        ls.last_decisions = plan.decisions
+
 
 # ---------------------------------------------------------------------------- threads
 
@@ -368,7 +384,7 @@ class FiddlerExecutor(ExpertExecutor):
                 y_c = y_c.to(self.device, non_blocking=True)
             combined.put(t_c, s_c, y_c, topk_w)
         out = combined.sum()
-        self._account(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
+        self.stats.add_plan(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
         return out
 
     def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
@@ -392,28 +408,8 @@ class FiddlerExecutor(ExpertExecutor):
         moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
         out = moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
         wall = time.perf_counter() - t_start
-        self._account(layer, plan, len(ids), wall, wall)
+        self.stats.add_plan(layer, plan, len(ids), wall, wall)
         return out
-
-    def _account(self, layer: int, plan: LayerPlan, routed: int, wall: float, cpu_s: float) -> None:
-        st, ls = self.stats, self.stats.layers[layer]
-        st.calls += 1
-        ls.calls += 1
-        st.routed_tokens += routed
-        for n, kind in zip(plan.counts, plan.decisions):
-            if kind is not None:
-                st.tokens[kind] += n
-                st.experts[kind] += 1
-                ls.tokens[kind] += n
-                ls.experts[kind] += 1
-        span = plan.makespan
-        st.predicted_s += span
-        ls.predicted_s += span
-        st.wall_s += wall
-        ls.wall_s += wall
-        st.cpu_queue_s += cpu_s
-        ls.cpu_queue_s += cpu_s
-        ls.last_decisions = plan.decisions
 
     # ------------------------------------------------------------------ calibration
 

@@ -142,7 +142,7 @@ class FiddlerSimPolicy(SimPolicy):
             t = t_attn
             for e in plan.experts(CPU):
                 t = clock.cpu.run(t, hw.cpu(eb, fpt * counts[e]))
-            self._account(layer, plan, ids.size)
+            self.st.add_plan(layer, plan, ids.size)
             return t
 
         row = costs.activation_row_bytes
@@ -175,25 +175,11 @@ class FiddlerSimPolicy(SimPolicy):
         self.st.bytes_h2d_weights += n_copies * eb
         self.st.bytes_d2h_activations += cpu_rows * row
         self.st.bytes_h2d_activations += cpu_rows * row
-        self._account(layer, plan, ids.size)
+        self.st.add_plan(layer, plan, ids.size)
         done = max(g, c_done)
         if not self._dense_on_gpu(ctx, decoder_layer):  # the model moves the MoE output back to the CPU layer
             done = self._move(clock, ctx, step.tokens, False, done)
         return done
-
-    def _account(self, layer: int, plan, routed: int) -> None:
-        st, ls = self.st, self.st.layers[layer]
-        st.calls += 1
-        ls.calls += 1
-        st.routed_tokens += routed
-        for n, kind in zip(plan.counts, plan.decisions):
-            if kind is not None:
-                st.tokens[kind] += n
-                st.experts[kind] += 1
-                ls.tokens[kind] += n
-                ls.experts[kind] += 1
-        st.predicted_s += plan.makespan
-        ls.predicted_s += plan.makespan
 
     def stats(self) -> dict[str, Any]:
         d = self.st.to_dict()

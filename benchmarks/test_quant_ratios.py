@@ -43,7 +43,7 @@ def test_quant_kernel(benchmark, limit_buf, rounds, fmt):
     best = interleaved(benchmark, {
         "limit_s": limit,
         "kernel_s": lambda i: experts[i % copies].forward(x, out=out),
-    }, 3 * rounds, warmup=2)
+    }, 6 * rounds, warmup=3)  # calls of a few ms: many rounds cost little and steady the ratio
     mode = fq.mode()
     record_ratio(benchmark, f"quant_{fmt}_vs_limit_t1", best["limit_s"] / best["kernel_s"], "higher", best,
                  f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({mode['mode']} on {mode['isa']})",

@@ -257,7 +257,7 @@ int qpack(int fmt, const uint8_t* const* src, int groups, int64_t n, int64_t k, 
   const int64_t bytes = qpacked_bytes(fmt, n, k, groups);
   if (bytes < 0 || !src || !dst || k % kQK) return fail("fk_qpack: bad arguments (k must be a multiple of 32)");
   if (reinterpret_cast<uintptr_t>(dst) % 64) return fail("fk_qpack: destination is not 64-byte aligned");
-  const int64_t n_rg = round_up(n, kQRows) / kQRows, nkb = k / kQK, units = round_up(k, kQAlignK) / kQAlignK;
+  const int64_t n_rg = round_up(n, kQRows) / kQRows, nkb = k / kQK;
   const int64_t rgb = rg_bytes(fmt, k), bb = q_block_bytes(fmt), qb = bb - 2;
   pool().run(thread_count(threads, n_rg, bytes, 1), n_rg, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t rg = g0; rg < g1; ++rg)
@@ -280,7 +280,6 @@ int qpack(int fmt, const uint8_t* const* src, int groups, int64_t n, int64_t k, 
             }
           }
         }
-        (void)units;
       }
   });
   return 0;

@@ -23,6 +23,14 @@ inline __m256i bcast4(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
+// The stream prefetch of the 64-byte line at p, next to its first load: `near` bytes ahead into L1 and
+// `far` bytes ahead into L2 (the per-CPU knob's two distances; 0 = none), packed as near | far << 32.
+inline void pf_line(const uint8_t* p, int64_t dist) {
+  const int64_t near = dist & 0xffffffff, far = dist >> 32;
+  if (near) _mm_prefetch(reinterpret_cast<const char*>(p + near), _MM_HINT_T0);
+  if (far) _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T1);
+}
+
 inline __m256 scales8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -36,8 +44,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
   for (int t = 0; t < M; ++t) f[t][0] = f[t][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
   for (int64_t u = 0; u < units; ++u, w += ub) {
-    if (dist)
-      for (int64_t l = 0; l < ub; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + dist + l), _MM_HINT_T0);
+    pf_line(w, dist);
     for (int b = 0; b < 2; ++b) {
       const int64_t kb = 2 * u + b;
       const uint8_t* q = w + 64 + b * qb;
@@ -46,6 +53,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
       for (int hh = 0; hh < 2; ++hh) {
         if constexpr (Fmt == kQ8_0) {
           for (int j = 0; j < 8; ++j) {
+            if (hh == 0) pf_line(q + 64 * j, dist);
             const __m256i wv = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh)),
                                                 _mm256_set1_epi8(char(0x80)));  // the signed q (stored q + 128)
             const __m256i aw = _mm256_sign_epi8(wv, wv);
@@ -56,6 +64,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
           }
         } else {
           for (int j = 0; j < 4; ++j) {
+            if (hh == 0) pf_line(q + 64 * j, dist);
             const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int t = 0; t < M; ++t) {
@@ -89,8 +98,7 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
   for (int t = 0; t < M; ++t) f[t][0] = f[t][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
   for (int64_t u = 0; u < units; ++u, w += ub) {
-    if (dist)
-      for (int64_t l = 0; l < ub; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + dist + l), _MM_HINT_T0);
+    pf_line(w, dist);
     for (int b = 0; b < 2; ++b) {
       const int64_t k0 = (2 * u + b) * kQK;
       const uint8_t* q = w + 64 + b * qb;
@@ -99,6 +107,7 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
         for (int t = 0; t < M; ++t) s[t] = _mm256_setzero_ps();
         if constexpr (Fmt == kQ8_0) {
           for (int j = 0; j < 8; ++j) {
+            if (hh == 0) pf_line(q + 64 * j, dist);
             const __m256i v = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh)),
                                                _mm256_set1_epi8(char(0x80)));
             __m256 c[4];
@@ -112,6 +121,7 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
           }
         } else {
           for (int j = 0; j < 4; ++j) {
+            if (hh == 0) pf_line(q + 64 * j, dist);
             const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh));
             for (int i = 0; i < 4; ++i) {
               const __m256 lo = _mm256_cvtepi32_ps(
@@ -136,7 +146,7 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
 
 int64_t stream_distance() {
   const StreamTuning st = stream_tuning();
-  return st.hint != kHintNone ? st.distance : 0;
+  return (st.hint != kHintNone ? st.distance : 0) | (st.far << 32);
 }
 
 void mk_a8(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs,

@@ -62,9 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm kept in fp32, its weight applied in fp32 (llama.cpp's f32 rms_norm and mul): the input of the
     quantized matmuls, which quantize it to Q8_0 from fp32 as llama.cpp does (MoETransformer.fp32_quant_acts)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.to(torch.float32) * h
+    return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight.to(torch.float32), eps)  # one fused op
 
 
 def yarn_inv_freq(cfg: MoEConfig) -> tuple[torch.Tensor, float]:

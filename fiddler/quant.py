@@ -145,6 +145,8 @@ def use_fp32_activations(model) -> bool:
         return False  # a GPU layer computes attention in torch on dequantized bf16 weights
     model.fp32_quant_acts = True
     for layer in model.layers:
+        # the layer norms' weights in fp32 once (rms_norm_f32 applies them in fp32); the final norm stays bf16
+        layer.input_norm, layer.post_norm = layer.input_norm.float(), layer.post_norm.float()
         if layer.router is not None:
             layer.router_fp32, layer.router = layer.router.weight.float(), None
     return True

@@ -201,6 +201,7 @@ class Engine:
         model = MoETransformer(cfg, weights, ex, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype,
                                device=gpu.device, layer_devices=layer_devices)
         weights.experts = []  # the executor owns them now
+        fp32_acts = quant is not None and fquant.use_fp32_activations(model)
         torch_threads_in_run = finalise_linears(model, ex)
         if quant is not None:
             fquant.install_attention(model, attn_blocks, quant)
@@ -223,6 +224,7 @@ class Engine:
             "kernel_max_tokens": model.lm_head.kernel_max_tokens if kernel_linears else 0,
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),
             "quant": quant,
+            **({"quant_fp32_activations": fp32_acts} if quant is not None else {}),
             **({"quant_info": quant_info} if quant_info else {}),
             "load_s": time.perf_counter() - t_load,
         }

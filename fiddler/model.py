@@ -59,6 +59,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm kept in fp32, its weight applied in fp32 (llama.cpp's f32 rms_norm and mul): the input of the
+    quantized matmuls, which quantize it to Q8_0 from fp32 as llama.cpp does (MoETransformer.fp32_quant_acts)."""
+    return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight.to(torch.float32), eps)  # one fused op
+
+
 def yarn_inv_freq(cfg: MoEConfig) -> tuple[torch.Tensor, float]:
     """YaRN inverse frequencies and attention factor over cfg.rope_dim, as transformers'
     _compute_yarn_parameters computes them (DeepSeek's rope_scaling)."""
@@ -306,7 +312,13 @@ class MoETransformer:
     `layer_devices` (default: every layer on `device`): where each layer's non-expert weights and KV cache
     live; a layer on another device (the CPU, when the dense parts do not fit the GPU) runs there and
     the residual stream moves with it.
+
+    `fp32_quant_acts` (set by fiddler.quant.install_attention for quantized CPU projections): the RMSNorm
+    outputs stay fp32 (rms_norm_f32) into the q/k/v projection, an fp32 router and the experts (when the
+    executor takes fp32_inputs), like llama.cpp's f32 activations; everything else is unchanged.
     """
+
+    fp32_quant_acts: bool = False
 
     def __init__(
         self,
@@ -462,7 +474,7 @@ class MoETransformer:
         cfg, layer = self.cfg, self.layers[i]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         main = h.device == self.device
-        qkv = qkv_proj(h, out=self._buf("qkv", (B * T, (nh + 2 * nkv) * d), h.dtype) if main else None)
+        qkv = qkv_proj(h, out=self._buf("qkv", (B * T, (nh + 2 * nkv) * d), self.dtype) if main else None)
         if cfg.qk_norm or cfg.clip_qkv is not None:
             qkv = self._qk_norm_clip(layer, qkv, B, T)
         qkv = qkv.view(B, T, nh + 2 * nkv, d)
@@ -477,7 +489,7 @@ class MoETransformer:
         vc[:, :, pos : pos + T] = v
         L = pos + T
         o = self._sdpa(q, kc[:, :, :L], vc[:, :, :L], B, T, pos, nkv)
-        return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), h.dtype) if main else None)
+        return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), self.dtype) if main else None)
 
     def _mla_attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int):
         """DeepSeek's multi-head latent attention of layer i, op for op as transformers' DeepseekV2/V3
@@ -533,7 +545,7 @@ class MoETransformer:
         if S:
             T = h.shape[0]
             ids = torch.arange(cfg.num_experts, cfg.num_experts + S, device=idx.device).expand(T, S)
-            g = torch.sigmoid(F.linear(h, layer.shared_gate)) if layer.shared_gate is not None else \
+            g = torch.sigmoid(F.linear(h.to(layer.shared_gate.dtype), layer.shared_gate)) if layer.shared_gate is not None else \
                 torch.ones(T, 1, dtype=w.dtype, device=w.device)
             idx = torch.cat([idx, ids], dim=1)
             w = torch.cat([w, g.to(w.dtype).expand(T, S)], dim=1)
@@ -545,8 +557,10 @@ class MoETransformer:
         next layer's experts with its router, as Mixtral-Offloading does). `router`: unused (the layer's)."""
         layer = self.layers[i]
         if layer.mlp is not None:
-            return x + layer.mlp(h)
+            return x + layer.mlp(h.to(self.dtype))
         idx, w = self._route(layer, h)
+        if h.dtype != self.dtype and not self.executor.fp32_inputs:
+            h = h.to(self.dtype)
         if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
             self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=self.cfg.expert_slots) > 0).sum())
             self.multi_row_layer_steps += 1
@@ -572,12 +586,15 @@ class MoETransformer:
         buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
+        f32 = self.fp32_quant_acts
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv_proj(norm(x, layer.input_norm, eps, out=buf_n1), out=buf_qkv)
+            h = rms_norm_f32(x, layer.input_norm, eps) if f32 else norm(x, layer.input_norm, eps, out=buf_n1)
+            qkv = layer.qkv_proj(h, out=buf_qkv)
             if qk_ops:
                 qkv = self._qk_norm_clip(layer, qkv, B, 1)
             x = x + layer.o_proj(attend(i, qkv, pos, buf_att), out=buf_o)
-            x = self._moe(i, x, norm(x, layer.post_norm, eps, out=buf_n2), layer.router, B > 1)
+            h = rms_norm_f32(x, layer.post_norm, eps) if f32 else norm(x, layer.post_norm, eps, out=buf_n2)
+            x = self._moe(i, x, h, layer.router, B > 1)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
         if all_logits:
             return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)
@@ -596,12 +613,13 @@ class MoETransformer:
         if T == 1 and self.decode_fastpath and self._decode_ops is not None and tokens.device.type == "cpu":
             return self._decode_step(tokens, start_pos, all_logits)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        norm = rms_norm_f32 if self.fp32_quant_acts else rms_norm  # final norm: bf16 into the bf16 lm_head
         x = F.embedding(tokens.reshape(-1).to(self.embed.device), self.embed)  # [B*T, H]
         for i, layer in enumerate(self.layers):
             if x.device != layer.device:
                 x = x.to(layer.device)
-            x = x + self._attend(i, rms_norm(x, layer.input_norm, eps), B, T, start_pos)
-            x = self._moe(i, x, rms_norm(x, layer.post_norm, eps), layer.router, T == 1 and B > 1)
+            x = x + self._attend(i, norm(x, layer.input_norm, eps), B, T, start_pos)
+            x = self._moe(i, x, norm(x, layer.post_norm, eps), layer.router, T == 1 and B > 1)
         x = x.to(self.norm.device)
         if all_logits:
             return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)

@@ -81,7 +81,10 @@ class QuantizedLinear:
         self.threads: int | None = None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
-        return self.packed.forward(x, out=out, threads=self.threads, out_dtype=out_dtype or x.dtype)
+        # fp32 x (MoETransformer.fp32_quant_acts) gives the model dtype back unless asked otherwise
+        if out_dtype is None:
+            out_dtype = out.dtype if out is not None else torch.bfloat16
+        return self.packed.forward(x, out=out, threads=self.threads, out_dtype=out_dtype)
 
 
 def quantize_experts(experts, quant: str, cache: dict[str, torch.Tensor] | None = None, pin: bool = False):
@@ -130,6 +133,23 @@ def check_attention(cfg) -> None:
     if cfg.qkv_bias or cfg.o_bias:
         raise UnsupportedModelError(f"quantized weights: {cfg.model_type}'s attention biases are not "
                                     f"implemented for quant= (GQA attention without biases is)")
+
+
+def use_fp32_activations(model) -> bool:
+    """With every layer's projections on the CPU kernel (quantized by install_attention), feed them fp32
+    activations as llama.cpp does: the RMSNorm outputs stay fp32 into q/k/v and the experts (quantized to
+    Q8_0 from fp32, not from bf16, so near-amax values round as llama.cpp's do), and the router runs in fp32
+    on them (llama.cpp's ffn_gate_inp is f32). Call before the engine finalises its linears (the router's
+    dense weight is still there). Returns whether it was switched on."""
+    if not all(layer.device.type == "cpu" for layer in model.layers):
+        return False  # a GPU layer computes attention in torch on dequantized bf16 weights
+    model.fp32_quant_acts = True
+    for layer in model.layers:
+        # the layer norms' weights in fp32 once (rms_norm_f32 applies them in fp32); the final norm stays bf16
+        layer.input_norm, layer.post_norm = layer.input_norm.float(), layer.post_norm.float()
+        if layer.router is not None:
+            layer.router_fp32, layer.router = layer.router.weight.float(), None
+    return True
 
 
 def install_attention(model, blocks: list[dict], quant: str) -> None:

@@ -246,3 +246,25 @@ def test_quant_refuses_attention_it_does_not_implement(family, feature, tmp_path
 
     with pytest.raises(UnsupportedModelError, match=feature):
         Engine.from_pretrained(model_path(family), quant="q8_0", quant_cache=tmp_path)
+
+
+def test_quantized_matmuls_get_fp32_activations_like_llama_cpp(tmp_path):
+    """On the CPU the quantized engine feeds fp32 RMSNorm outputs (weight applied in fp32) to q/k/v and the
+    experts, and routes in fp32; the fused decode step computes the same as the prefill path."""
+    path = model_path("e8k2")
+    e = Engine.from_pretrained(path, quant="q8_0", quant_cache=tmp_path)
+    m = e.model
+    assert e.info()["quant_fp32_activations"] and m.fp32_quant_acts
+    assert all(l.router is None and l.router_fp32.dtype == torch.float32 for l in m.layers)
+    seen = []
+    qkv = m.layers[0].qkv_proj
+    m.layers[0].qkv_proj = lambda x, **kw: (seen.append(x.dtype), qkv(x, **kw))[1]
+    ids = prompt(12, 512)
+    full = e.forward_logits(ids)
+    m.forward(ids[None, :-1], 0)
+    step = m.forward(ids[None, -1:], 11).clone()  # the fused decode step
+    assert m.decode_fastpath and set(seen) == {torch.float32}
+    assert ((step[0] - full[-1]).norm() / full[-1].norm()).item() < 2e-2
+    # the bf16 engine is untouched
+    b = Engine.from_pretrained(path)
+    assert not b.model.fp32_quant_acts and all(l.router is not None for l in b.model.layers)

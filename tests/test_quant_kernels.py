@@ -114,17 +114,18 @@ def test_packed_bytes_are_the_block_bytes_plus_padding():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k,tokens", [(33, 70, 1), (16, 64, 2), (100, 257, 9), (47, 1000, 17), (19, 96, 257)])
-def test_linear_against_fp64(isa, mode, fmt, n, k, tokens):
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])  # fp32: quantized from fp32, as llama.cpp
+def test_linear_against_fp64(isa, mode, fmt, n, k, tokens, xdt):
     fq.set_mode(mode, isa)
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g) / k**0.5
     lin = fq.QuantLinear.from_float(w, fmt)
-    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, k, generator=g).to(xdt)
     y = lin(x, out_dtype=torch.float32)
     r = ref_linear(lin.blocks(), fmt, k, x, mode)
     # fp32 sums of exact products (a8: integer dot products) against fp64: far below bf16's 2^-8
     assert rel(y, r) < 1e-5, rel(y, r)
-    yb = lin(x)  # bf16 output: one rounding of the fp32 result
+    yb = lin(x, out_dtype=torch.bfloat16)  # bf16 output: one rounding of the fp32 result
     assert torch.equal(yb, y.to(torch.bfloat16))
 
 
@@ -132,13 +133,14 @@ def test_linear_against_fp64(isa, mode, fmt, n, k, tokens):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hidden,ffn,tokens", [(40, 72, 1), (96, 160, 5), (64, 130, 33)])
-def test_expert_and_moe_against_fp64(isa, mode, fmt, hidden, ffn, tokens):
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
+def test_expert_and_moe_against_fp64(isa, mode, fmt, hidden, ffn, tokens, xdt):
     fq.set_mode(mode, isa)
     g = torch.Generator().manual_seed(hidden + ffn)
     experts = [fq.QuantExpert.from_float(torch.randn(ffn, hidden, generator=g) / hidden**0.5,
                                          torch.randn(ffn, hidden, generator=g) / hidden**0.5,
                                          torch.randn(hidden, ffn, generator=g) / ffn**0.5, fmt) for _ in range(3)]
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(xdt)
     refs = [ref_expert(e, x, mode) for e in experts]
     ys = [e(x) for e in experts]
     for y, r in zip(ys, refs):
@@ -164,7 +166,9 @@ def test_modes_and_paths_are_reported_and_validated():
     with pytest.raises(ValueError):
         lin(torch.randn(2, 63).to(torch.bfloat16))
     with pytest.raises(TypeError):
-        lin(torch.randn(2, 64))
+        lin(torch.randn(2, 64).half())
+    with pytest.raises(ValueError):  # fp32 activations: contiguous 2-D rows too
+        lin(torch.randn(64, 2).t())
 
 
 _HASWELL = """

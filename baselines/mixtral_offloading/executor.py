@@ -361,7 +361,7 @@ class OffloadingExecutor(ExpertExecutor):
             raise RuntimeError("prefetch needs the model's routers: the engine calls executor.bind_model(model)")
         nxt = self.layers[layer + 1]
         h = x if normed else rms_norm(x, nxt.post_norm, self.config.rms_norm_eps)
-        probs = torch.softmax(nxt.router(h).float(), dim=-1)
+        probs = torch.softmax(nxt.router_logits(h).float(), dim=-1)
         score = probs.sum(dim=0)
         k = min(self.prefetch_k, self.cache_size, self.config.num_experts)
         return torch.topk(score, k).indices.tolist()

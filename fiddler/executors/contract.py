@@ -47,6 +47,9 @@ class ExpertExecutor(abc.ABC):
     dtype: torch.dtype
     stats: StatsBase
     recorder: PopularityRecorder | None = None
+    # True: forward also takes fp32 x (quantized experts on the CPU kernel quantize fp32 activations to Q8_0,
+    # as llama.cpp does; the model then hands them the fp32 RMSNorm output); the result stays in `dtype`.
+    fp32_inputs: bool = False
 
     @abc.abstractmethod
     def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -74,7 +77,7 @@ class ExpertExecutor(abc.ABC):
 
     def begin_forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
         """What every forward does first: check the activations' dtype, record the routing if asked to."""
-        if x.dtype != self.dtype:
+        if x.dtype != self.dtype and not (self.fp32_inputs and x.dtype == torch.float32):
             raise TypeError(f"x has dtype {x.dtype} but the executor runs in {self.dtype}")
         if self.recorder is not None:
             self.recorder.record(layer, topk_idx)

@@ -29,6 +29,7 @@ class LocalExperts(ExpertExecutor):
                  use_kernel: bool | None = None, quant: str | None = None):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.quant = fquant.check_quant(quant)
+        self.fp32_inputs = self.quant is not None  # see ExpertExecutor.fp32_inputs
         k = load_kernels()
         if use_kernel is None:
             use_kernel = self.device.type == "cpu" and dtype == torch.bfloat16
@@ -60,7 +61,7 @@ class LocalExperts(ExpertExecutor):
     def _ffn(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed[layer][e].forward(x)
-        return torch_expert(self.experts[layer][e], x)
+        return torch_expert(self.experts[layer][e], x.to(self.dtype))
 
     def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         self.begin_forward(layer, x, topk_idx)
@@ -72,7 +73,7 @@ class LocalExperts(ExpertExecutor):
                 out = y if out is None else out + y
             self.stats.expert_calls += K
             self.stats.expert_tokens += K
-            return out.to(x.dtype)
+            return out.to(self.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
         for e in groups.active():
@@ -81,7 +82,7 @@ class LocalExperts(ExpertExecutor):
             out.index_add_(0, tok, y)
             self.stats.expert_calls += 1
             self.stats.expert_tokens += groups.counts[e]
-        return out.to(x.dtype)
+        return out.to(self.dtype)
 
 
 def local_executor(ctx: BuildContext, experts: list[list[ExpertWeights]]) -> LocalExperts:

@@ -169,6 +169,7 @@ class FiddlerExecutor(ExpertExecutor):
         self.planner_name = planner if gpu.has_gpu else "cpu"
         self.planner = get_planner(self.planner_name)
         self.quant = fquant.check_quant(quant)
+        self.fp32_inputs = self.quant is not None  # see ExpertExecutor.fp32_inputs
         self.expert_bytes = int(config.expert_bytes(dtype, self.quant))
         k = load_kernels()
         self.kernel = k if (use_kernel and k is not None and dtype == torch.bfloat16) else None
@@ -231,13 +232,13 @@ class FiddlerExecutor(ExpertExecutor):
             return fquant.pack_expert(h, self.quant, self.config.hidden_size, self.config.intermediate_size)
         return self.kernel.PackedExpert(h.w1, h.w3, h.w2)
 
-    def _dense(self, w: ExpertWeights) -> ExpertWeights:
+    def _dense(self, w: ExpertWeights, dtype: torch.dtype | None = None) -> ExpertWeights:
         """Weights torch computes with: quantized experts (resident or copied in as block bytes) are
-        dequantized where they are, i.e. on the GPU side."""
+        dequantized where they are, i.e. on the GPU side (in `dtype`, default the model's)."""
         if self.quant is None:
             return w
         return fquant.dequantize_expert(w, self.quant, self.config.hidden_size, self.config.intermediate_size,
-                                        self.dtype)
+                                        dtype or self.dtype)
 
     def _empty_expert(self) -> ExpertWeights:
         if self.quant is not None:
@@ -293,7 +294,7 @@ class FiddlerExecutor(ExpertExecutor):
         p = self.packed[layer][e]
         if p is not None:
             return p.forward(x, out=out, threads=threads)
-        return out.copy_(torch_expert(self._dense(self.host[layer][e]), x))
+        return out.copy_(torch_expert(self._dense(self.host[layer][e]), x.to(self.dtype)))
 
     def _run_cpu_queue(self, layer: int, experts: list[int], sizes: list[int], x_host: torch.Tensor,
                        ready: Any, threads: int) -> tuple[torch.Tensor, float]:
@@ -339,6 +340,8 @@ class FiddlerExecutor(ExpertExecutor):
             out = self._decode_row_on_cpu(layer, x, topk_idx, topk_w, t_start)
             if out is not None:
                 return out
+        # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
+        x_cpu, x = x, x.to(self.dtype)
         groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
         plan: LayerPlan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
         combined = SlotOutputs(x, K)
@@ -348,7 +351,7 @@ class FiddlerExecutor(ExpertExecutor):
         future = cpu_result = None
         if cpu_experts:
             t_c, s_c = groups.pairs_of(cpu_experts)
-            x_c, ready = self._to_host(x.index_select(0, t_c))
+            x_c, ready = self._to_host(x_cpu.index_select(0, t_c))
             sizes = [groups.counts[e] for e in cpu_experts]
             if self.threads.overlap and len(cpu_experts) < sum(d is not None for d in plan.decisions):
                 future = self._worker().submit(self._run_cpu_queue, layer, cpu_experts, sizes, x_c, ready,
@@ -367,7 +370,12 @@ class FiddlerExecutor(ExpertExecutor):
             for e, buf_slot in queue:
                 w = self.resident[layer][e] if buf_slot is None else self._copy_in(layer, e, buf_slot)
                 t_e, s_e = groups.pairs(e)
-                combined.put(t_e, s_e, torch_expert(self._dense(w), x.index_select(0, t_e)), topk_w)
+                if x_cpu.dtype == torch.float32 and self.dtype != torch.float32:
+                    # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
+                    y_e = torch_expert(self._dense(w, torch.float32), x_cpu.index_select(0, t_e)).to(self.dtype)
+                else:
+                    y_e = torch_expert(self._dense(w), x.index_select(0, t_e))
+                combined.put(t_e, s_e, y_e, topk_w)
                 if buf_slot is not None:
                     self.copy_in.release(buf_slot)
         finally:

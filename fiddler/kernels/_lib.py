@@ -64,17 +64,18 @@ def _declare(l: ctypes.CDLL) -> None:
         "fk_quantize_rows": (c.c_int, [c.c_int, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int]),
         "fk_qlinear": (
             c.c_int,
-            [c.c_int, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_int,
-             c.c_int],
+            [c.c_int, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_void_p,
+             c.c_int, c.c_int],
         ),
         "fk_qexpert_ffn": (
             c.c_int,
-            [c.c_int, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p, c.c_int],
+            [c.c_int, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_int, c.c_int64, c.c_void_p,
+             c.c_int],
         ),
         "fk_qmoe_ffn": (
             c.c_int,
-            [c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int64, c.c_int64, c.c_void_p, c.c_int64,
-             c.c_void_p, c.c_int],
+            [c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int64, c.c_int64, c.c_void_p, c.c_int,
+             c.c_int64, c.c_void_p, c.c_int],
         ),
         "fk_set_qmode": (c.c_int, [c.c_int, c.c_int]),
         "fk_qmode": (c.c_int, []),

@@ -129,7 +129,7 @@ def _qunpack(fmt: str, packed: torch.Tensor, groups: int, g: int, n: int, k: int
 
 # ------------------------------------------------------------------ packed quantized weights
 class QuantLinear:
-    """y = x @ W.T (+ bias) for W given as llama.cpp blocks uint8 [n, row_bytes(fmt, k)]; x bf16
+    """y = x @ W.T (+ bias) for W given as llama.cpp blocks uint8 [n, row_bytes(fmt, k)]; x bf16 or fp32
     [tokens, k]; y bf16 or fp32 (out_dtype). Same call interface as fiddler.kernels.PackedLinear."""
 
     def __init__(self, blocks: torch.Tensor, fmt: str, n: int, k: int, bias: torch.Tensor | None = None):
@@ -153,14 +153,14 @@ class QuantLinear:
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if out_dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
-        tokens = _check_x(x, self.in_features, "linear")
+        tokens, x_f32 = _check_qx(x, self.in_features, "linear")
         if out is None:
             out = torch.empty(tokens, self.out_features, dtype=out_dtype)
         else:
             _check_out(out, (tokens, self.out_features), out_dtype)
         if tokens:
             _lib.check(_L().fk_qlinear(
-                FORMATS[self.fmt], self._w.data_ptr(), self.out_features, self.in_features, x.data_ptr(), tokens,
+                FORMATS[self.fmt], self._w.data_ptr(), self.out_features, self.in_features, x.data_ptr(), x_f32, tokens,
                 self.bias.data_ptr() if self.bias is not None else None, out.data_ptr(),
                 int(out_dtype == torch.float32), _threads(threads)))
         return out
@@ -214,17 +214,29 @@ class QuantExpert:
                 dequantize(w2, self.fmt, self.ffn, dtype))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-        tokens = _check_x(x, self.hidden, "expert")
+        tokens, x_f32 = _check_qx(x, self.hidden, "expert")
         if out is None:
             out = torch.empty(tokens, self.hidden, dtype=torch.bfloat16)
         else:
             _check_out(out, (tokens, self.hidden), torch.bfloat16)
         if tokens:
             _lib.check(_L().fk_qexpert_ffn(FORMATS[self.fmt], self._w13.data_ptr(), self._w2.data_ptr(), self.hidden,
-                                           self.ffn, x.data_ptr(), tokens, out.data_ptr(), _threads(threads)))
+                                           self.ffn, x.data_ptr(), x_f32, tokens, out.data_ptr(), _threads(threads)))
         return out
 
     __call__ = forward
+
+
+def _check_qx(x, k: int, what: str) -> tuple[int, int]:
+    """(tokens, 1 if x is fp32 else 0): quantized linears and experts take bf16 or fp32 activations (fp32 ones
+    are quantized to Q8_0 from fp32, as llama.cpp does; the w mode computes with them as they are)."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+        if x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous 2-D CPU tensor, got {tuple(x.shape)} on {x.device}")
+        if x.shape[1] != k:
+            raise ValueError(f"x must be [tokens, {k}] for this {what}, got {tuple(x.shape)}")
+        return x.shape[0], 1
+    return _check_x(x, k, what), 0
 
 
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -241,7 +253,7 @@ def moe_ffn(experts: list[QuantExpert], weights: torch.Tensor, x: torch.Tensor, 
     e0 = experts[0]
     if any(e.hidden != e0.hidden or e.ffn != e0.ffn or e.fmt != e0.fmt for e in experts):
         raise ValueError("moe_ffn: experts must share one shape and format")
-    tokens = _check_x(x, e0.hidden, "expert")
+    tokens, x_f32 = _check_qx(x, e0.hidden, "expert")
     _check_tensor("weights", weights, 1)
     if weights.shape[0] != len(experts):
         raise ValueError(f"weights must have one entry per expert ({len(experts)}), got {weights.shape[0]}")
@@ -254,7 +266,7 @@ def moe_ffn(experts: list[QuantExpert], weights: torch.Tensor, x: torch.Tensor, 
         p13 = (ctypes.c_void_p * n)(*(e._w13.data_ptr() for e in experts))
         p2 = (ctypes.c_void_p * n)(*(e._w2.data_ptr() for e in experts))
         _lib.check(_L().fk_qmoe_ffn(FORMATS[e0.fmt], p13, p2, weights.data_ptr(), n, e0.hidden, e0.ffn, x.data_ptr(),
-                                    tokens, out.data_ptr(), _threads(threads)))
+                                    x_f32, tokens, out.data_ptr(), _threads(threads)))
     return out
 
 

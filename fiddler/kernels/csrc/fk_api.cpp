@@ -78,17 +78,18 @@ FK_API int fk_qunpack(int fmt, const void* packed, int groups, int g, int64_t n,
 FK_API int fk_quantize_rows(int fmt, const float* x, int64_t n, int64_t k, uint8_t* dst, int threads) {
   return quantize_rows(fmt, x, n, k, dst, threads);
 }
-FK_API int fk_qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
+FK_API int fk_qlinear(int fmt, const void* packed, int64_t n, int64_t k, const void* x, int x_f32, int64_t tokens,
                       const float* bias, void* y, int out_f32, int threads) {
-  return qlinear(fmt, packed, n, k, x, tokens, bias, y, out_f32 != 0, threads);
+  return qlinear(fmt, packed, n, k, x, x_f32 != 0, tokens, bias, y, out_f32 != 0, threads);
 }
-FK_API int fk_qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const uint16_t* x,
-                          int64_t tokens, uint16_t* y, int threads) {
-  return qexpert_ffn(fmt, p13, p2, hidden, ffn, x, tokens, y, threads);
+FK_API int fk_qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const void* x,
+                          int x_f32, int64_t tokens, uint16_t* y, int threads) {
+  return qexpert_ffn(fmt, p13, p2, hidden, ffn, x, x_f32 != 0, tokens, y, threads);
 }
 FK_API int fk_qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts,
-                       int64_t hidden, int64_t ffn, const uint16_t* x, int64_t tokens, uint16_t* y, int threads) {
-  return qmoe_ffn(fmt, p13, p2, w, n_experts, hidden, ffn, x, tokens, y, threads);
+                       int64_t hidden, int64_t ffn, const void* x, int x_f32, int64_t tokens, uint16_t* y,
+                       int threads) {
+  return qmoe_ffn(fmt, p13, p2, w, n_experts, hidden, ffn, x, x_f32 != 0, tokens, y, threads);
 }
 FK_API int fk_set_qmode(int mode, int isa) { return set_qmode(mode, isa); }
 FK_API int fk_qmode() { return qmode(); }

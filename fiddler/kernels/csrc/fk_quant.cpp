@@ -356,6 +356,13 @@ void prepare_acts(int mode, const T* x, int64_t ldx, int64_t tokens, int64_t k, 
   for (int64_t t = 0; t < tokens; ++t) quant_row(ops, x + t * ldx, k, kp, q + t * kp, d + t * nkb, s + t * nkb);
 }
 
+void prepare_acts(int mode, const void* x, bool x_f32, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
+  if (x_f32)
+    prepare_acts(mode, static_cast<const float*>(x), ldx, tokens, k, kp, a);
+  else
+    prepare_acts(mode, static_cast<const uint16_t*>(x), ldx, tokens, k, kp, a);
+}
+
 // acc[tokens][16] for one row group's stream w (all tokens, token groups of ops.mr)
 void rowgroup_product(const QuantOps& ops, int mode, int fmt, const uint8_t* w, int64_t units, const Acts& a,
                       int64_t tokens, float* acc) {
@@ -391,7 +398,7 @@ bool bad_fmt(int fmt) { return fmt < 0 || fmt >= kNumQFormats; }
 
 }  // namespace
 
-int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
+int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const void* x, bool x_f32, int64_t tokens,
             const float* bias, void* y, bool out_f32, int threads) {
   if (bad_fmt(fmt) || !packed || !x || !y || n <= 0 || k <= 0 || tokens <= 0) return fail("qlinear: bad arguments");
   const QuantOps& ops = qops();
@@ -400,7 +407,7 @@ int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x
   const int64_t kp = round_up(k, kQAlignK), units = kp / kQAlignK, n_rg = round_up(n, kQRows) / kQRows;
   const int64_t rgb = rg_bytes(fmt, k);
   const size_t es = out_f32 ? 4 : 2;
-  prepare_acts(mode, x, k, tokens, k, kp, t_ax);
+  prepare_acts(mode, x, x_f32, k, tokens, k, kp, t_ax);
   const Acts& a = t_ax;
   const auto* w = static_cast<const uint8_t*>(packed);
   pool().run(thread_count(threads, n_rg, n_rg * rgb, tokens), n_rg, 1, [&](int64_t g0, int64_t g1) {
@@ -428,18 +435,18 @@ void gate_up_rows(const QuantOps& ops, int mode, int fmt, const uint8_t* w13, in
 }
 }  // namespace
 
-int qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const uint16_t* x,
+int qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const void* x, bool x_f32,
                 int64_t tokens, uint16_t* y, int threads) {
   const void* a13[1] = {p13};
   const void* a2[1] = {p2};
   const uint16_t one = 0x3f80;  // bf16 1.0: the MoE combine with one expert of weight 1 is the identity
   if (!p13 || !p2) return fail("qexpert_ffn: bad arguments");
-  return qmoe_ffn(fmt, a13, a2, &one, 1, hidden, ffn, x, tokens, y, threads);
+  return qmoe_ffn(fmt, a13, a2, &one, 1, hidden, ffn, x, x_f32, tokens, y, threads);
 }
 
 // As moe_ffn (fk_driver.cpp) for quantized experts: two pooled regions, the same combine roundings.
 int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts,
-             int64_t hidden, int64_t ffn, const uint16_t* x, int64_t tokens, uint16_t* y, int threads) {
+             int64_t hidden, int64_t ffn, const void* x, bool x_f32, int64_t tokens, uint16_t* y, int threads) {
   if (bad_fmt(fmt) || !p13 || !p2 || !w || !x || !y || n_experts <= 0 || hidden <= 0 || ffn <= 0 || tokens <= 0)
     return fail("qmoe_ffn: bad arguments");
   for (int e = 0; e < n_experts; ++e)
@@ -452,7 +459,7 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
   const int64_t rg_f = round_up(ffn, kQRows) / kQRows, rg_h = round_up(hidden, kQRows) / kQRows;
   const int64_t rgb13 = rg_bytes(fmt, hidden), rgb2 = rg_bytes(fmt, ffn);
   const int64_t ldh = kp_f, h_stride = tokens * ldh;
-  prepare_acts(mode, x, hidden, tokens, hidden, kp_h, t_ax);
+  prepare_acts(mode, x, x_f32, hidden, tokens, hidden, kp_h, t_ax);
   const Acts& ax = t_ax;
   float* h = qscratch(t_qh, size_t(n_experts * h_stride));  // fp32, as llama.cpp keeps it
   const int64_t items1 = n_experts * rg_f;

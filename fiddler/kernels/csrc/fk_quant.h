@@ -105,12 +105,13 @@ int64_t qpacked_bytes(int fmt, int64_t n, int64_t k, int groups);  // -1 for bad
 int qpack(int fmt, const uint8_t* const* src, int groups, int64_t n, int64_t k, void* dst, int threads);
 // The inverse: llama.cpp blocks of one matrix (group g) back from the packed buffer.
 int qunpack(int fmt, const void* packed, int groups, int g, int64_t n, int64_t k, uint8_t* dst);
-int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
+// x: bf16 rows, or fp32 rows when x_f32 (quantized from fp32 as llama.cpp quantizes its fp32 activations).
+int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const void* x, bool x_f32, int64_t tokens,
             const float* bias, void* y, bool out_f32, int threads);
-int qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const uint16_t* x,
+int qexpert_ffn(int fmt, const void* p13, const void* p2, int64_t hidden, int64_t ffn, const void* x, bool x_f32,
                 int64_t tokens, uint16_t* y, int threads);
 int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts,
-             int64_t hidden, int64_t ffn, const uint16_t* x, int64_t tokens, uint16_t* y, int threads);
+             int64_t hidden, int64_t ffn, const void* x, bool x_f32, int64_t tokens, uint16_t* y, int threads);
 // Round-to-nearest quantization of fp32 rows [n][k] (k a multiple of 32) into llama.cpp blocks, the
 // arithmetic of ggml's quantize_row_q8_0_ref / quantize_row_q4_0_ref.
 int quantize_rows(int fmt, const float* x, int64_t n, int64_t k, uint8_t* dst, int threads);

@@ -219,12 +219,14 @@ def test_bf16_logits_within_tolerance(arch, variant, seed):
     dev = (got - ref).abs().amax(-1) / scale  # per position
     tie = _router_margin(arch, ids) < 0.05
     assert tie.float().mean() < 0.75, "the model must have enough positions without router near-ties"
-    # Outside ties the engine must be within 3% of S of transformers' bf16 -- or of the fp32 truth itself:
-    # transformers' bf16 has its own noise, and where it flips an expert near (not under) the tie
-    # threshold (measured: DeepSeek-V2's MLA, margin 0.053, transformers 6.1% off fp32, the engine 1.2%)
-    # the engine agreeing with fp32 is as correct.
-    dev32 = (got - ref32).abs().amax(-1) / scale
-    bad = (~tie) & (dev > 0.03) & (dev32 > 0.03)
+    # Outside ties the engine must be within 3% of S of transformers' bf16. On the other families it may
+    # instead be within 3% of the fp32 truth itself: transformers' bf16 has its own noise, and where it
+    # flips an expert near (not under) the tie threshold (measured: DeepSeek-V2's MLA, margin 0.053,
+    # transformers 6.1% off fp32, the engine 1.2%) the engine agreeing with fp32 is as correct. Mixtral
+    # keeps the original, stricter check.
+    bad = (~tie) & (dev > 0.03)
+    if ARCHS[arch].get("model_type", "mixtral") != "mixtral":
+        bad &= (got - ref32).abs().amax(-1) / scale > 0.03
     assert not bad.any(), f"positions {bad.nonzero().flatten().tolist()} deviate {dev[bad].tolist()} x scale"
     assert float(dev.max()) < 0.5, f"max deviation {float(dev.max()):.3f} x scale"
     assert float(dev.median()) < 0.01

@@ -147,15 +147,6 @@ class PopularityRecorder:
         self.tokens = 0  # tokens seen by layer 0 (each token passes every layer once)
 
     @classmethod
-    def uniform_for(cls, config) -> Popularity:
-        """Uniform over the routed experts; shared-expert slots (run by every token) the most popular:
-        each routed expert gets a share top_k / num_experts of a layer's tokens, each shared slot 1."""
-        E, S, K = config.num_experts, config.shared_slots, config.top_k
-        row = [1.0] * E + [E / K] * S
-        return cls([list(row) for _ in range(config.num_moe_layers)], top_k=K + S,
-                   meta={"source": "uniform" + (" (shared experts first)" if S else "")})
-
-    @classmethod
     def for_config(cls, config) -> PopularityRecorder:
         return cls(config.num_moe_layers, config.expert_slots, config.active_slots)
 

@@ -175,10 +175,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fiddler" / "quant"
 
 
-def checkpoint_hash(path: str | Path, memo: Path | None = None) -> str:
+def checkpoint_hash(path: str | Path, memo: str | Path | None = None) -> str:
     """sha256 of the names and contents of a checkpoint directory's files, remembered in `memo` per
-    (name, size, mtime) so a multi-GiB checkpoint is read once."""
+    (name, size, mtime) so a multi-GiB checkpoint is read once (the quant cache and the llama.cpp
+    baseline's GGUF cache key on it)."""
     root = Path(path)
+    memo = Path(memo) if memo is not None else None
     files = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
     stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     known: dict = {}

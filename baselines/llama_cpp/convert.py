@@ -169,38 +169,15 @@ def find_converter(converter_dir: str | os.PathLike | None = None, fetch: bool =
 
 
 def checkpoint_hash(model_dir: str | os.PathLike, memo_path: str | os.PathLike | None = None) -> str:
-    """sha256 over the names and contents of every regular file in the checkpoint directory.
+    """sha256 over the names and contents of every regular file in the checkpoint directory (the
+    engine's fiddler.quant.checkpoint_hash, so both caches key a checkpoint alike), remembered in
+    ``memo_path`` per (name, size, mtime_ns) so multi-GiB checkpoints are read once."""
+    from fiddler.quant import checkpoint_hash as content_hash
 
-    With ``memo_path``, the hash is remembered there keyed by the directory and every file's
-    (name, size, mtime_ns), so multi-GiB checkpoints are read once, not at every load."""
     root = Path(model_dir)
-    files = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-    if not files:
+    if not any(p.is_file() and not p.name.startswith(".") for p in root.iterdir()):
         raise GGUFConversionError(f"GGUF conversion failed: {root} holds no files")
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-    memo: dict = {}
-    if memo_path is not None:
-        try:
-            memo = json.loads(Path(memo_path).read_text())
-        except (OSError, ValueError):
-            memo = {}
-        hit = memo.get(str(root.resolve()))
-        if isinstance(hit, dict) and hit.get("files") == stamp and isinstance(hit.get("sha256"), str):
-            return hit["sha256"]
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        h.update(b"\0")
-    digest = h.hexdigest()
-    if memo_path is not None:
-        memo[str(root.resolve())] = {"files": stamp, "sha256": digest}
-        tmp = Path(str(memo_path) + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
-    return digest
+    return content_hash(root, memo_path)
 
 
 def _first_error_line(text: str) -> str:

@@ -74,16 +74,17 @@ class _StderrTail:
 
 
 def _death_reason(exitcode: int, last_line: str, memory_limit_gb: float | None) -> tuple[str, str]:
-    if exitcode < 0:
-        sig = signal.Signals(-exitcode).name
-        if sig == "SIGKILL":
-            return "oom", (f"child process killed by SIGKILL (likely out of memory; "
-                           f"{memory_limit_text(memory_limit_gb)})")
-        return "error", f"child process died with {sig}"
     said = f" ({last_line})" if last_line else ""
+    how = f"died with {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with status {exitcode}"
+    # an allocation failure below Python says so only on stderr: the dynamic loader (exit 127) or C++
+    # `new` under RLIMIT_AS (std::bad_alloc, then abort: SIGABRT)
     if any(t in last_line.lower() for t in OOM_TEXT):
-        return "oom", f"out of memory ({memory_limit_text(memory_limit_gb)}): child process exited with status " \
-                      f"{exitcode}{said}"
+        return "oom", f"out of memory ({memory_limit_text(memory_limit_gb)}): child process {how}{said}"
+    if exitcode == -signal.SIGKILL:
+        return "oom", (f"child process killed by SIGKILL (likely out of memory; "
+                       f"{memory_limit_text(memory_limit_gb)})")
+    if exitcode < 0:
+        return "error", f"child process {how}{said}"
     return "error", f"child process exited with status {exitcode} before finishing the configuration{said}"
 
 

@@ -58,3 +58,22 @@ def test_a_load_over_its_limit_fails_every_configuration_once(tmp_path, monkeypa
     assert [r["status"] for r in recs] == ["timeout"] * 3
     assert {r["reason"] for r in recs} == {"loading hf_transformers failed: system load exceeded run.load_timeout_s=8"}
     assert len(loads.read_text().split()) == 1  # one child tried to load, not one per configuration
+
+
+@pytest.mark.parametrize("exitcode,last_line,status", [
+    (-6, "what():  std::bad_alloc", "oom"),  # C++ `new` under RLIMIT_AS aborts: seen in CI while loading
+    (127, "error while loading shared libraries: cannot allocate memory for thread-local data", "oom"),
+    (-9, "", "oom"),
+    (-6, "Assertion `x' failed.", "error"),
+    (-11, "", "error"),
+    (3, "ValueError: bad", "error"),
+])
+def test_a_dead_child_is_oom_only_when_it_ran_out_of_memory(exitcode, last_line, status):
+    from runners.isolation import _death_reason
+
+    got, reason = _death_reason(exitcode, last_line, 0.5)
+    assert got == status
+    if status == "oom":
+        assert "run.memory_limit_gb=0.5" in reason
+    else:
+        assert "out of memory" not in reason

@@ -17,6 +17,10 @@ with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its fl
 the last UPDATE_WINDOW readings of every CPU with readings all support, less the margin (the file's,
 or the ratio's own): never to the latest reading alone, never down. Lowering a floor needs --lower with
 a --reason, which is stored next to the floor.
+A ratio that crosses its floor is measured once more (its benchmark alone, right away) and fails
+only if that reading crosses too: both readings are printed. A regression crosses every time; one
+reading taken while another tenant of a shared machine was busy does not (CI once read q4_0 at 0.62 of
+the limit, then 0.81 on the same machine minutes later).
 Exit status: 0 all pass, 1 a ratio crossed its floor (each is named), 2 the suite itself failed.
 """
 from __future__ import annotations
@@ -63,11 +67,12 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def run_suite(quick: bool, select: str | None) -> tuple[list[dict], list[dict], int]:
-    """Runs benchmarks/ and returns (ratios, skipped ratios, pytest's exit code)."""
+def run_suite(quick: bool, select: str | None, nodes: list[str] | None = None) -> tuple[list[dict], list[dict], int]:
+    """Runs benchmarks/ (or only the given test node ids) and returns (ratios, skipped ratios, pytest's
+    exit code)."""
     with tempfile.TemporaryDirectory() as tmp:
         report, skips = Path(tmp) / "bench.json", Path(tmp) / "skips.jsonl"
-        cmd = [sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "-q", "--no-header", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", *(nodes or [str(ROOT / "benchmarks")]), "-q", "--no-header", "-p", "no:cacheprovider",
                "--benchmark-enable", "--benchmark-quiet", f"--benchmark-json={report}", "-o", "console_output_style=classic"]
         if quick:
             cmd.append("--quick")
@@ -113,6 +118,34 @@ def check(ratios: list[dict], floors: dict) -> list[dict]:
             status = "pass" if r["value"] <= f else "FAIL"
         rows.append({**r, "floor": f, "status": status})
     return rows
+
+
+def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
+    """Measures the benchmarks of the failed ratios once more; a failed ratio keeps the better of its
+    two readings (each reading is already the best of its rounds). None when the re-run failed."""
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    nodes = sorted({r["test"] for r in failed if r.get("test")})
+    print(f"\nregress: {len(failed)} ratio(s) crossed the floor; measuring them once more to tell a regression "
+          f"from a noisy reading: {', '.join(nodes) or '(no test ids)'}")
+    again, _, rc = run_suite(quick, None, nodes) if nodes else ([], [], 5)
+    if rc not in (0, 5):
+        print(f"regress: the confirmation run failed (pytest exit {rc})", file=sys.stderr)
+        return None
+    second = {r["name"]: r for r in again}
+    out = []
+    for r in rows:
+        if r["status"] == "FAIL":
+            s = second.get(r["name"])
+            readings = [r["value"]] + ([s["value"]] if s else [])
+            best = max(readings) if r["direction"] == "higher" else min(readings)
+            r = {**check([{**r, "value": best}], table)[0], "readings": readings}
+        out.append(r)
+    print("\nconfirmation (a ratio fails only if both readings cross its floor):")
+    for r in out:
+        if "readings" in r:
+            print(f"  {r['name']:<40} floor {r['floor']:.4g}  readings {', '.join(f'{v:.4g}' for v in r['readings'])}"
+                  f"  -> {r['status']}")
+    return out
 
 
 def print_table(rows: list[dict], skipped: list[dict], cls: str) -> None:
@@ -229,6 +262,10 @@ def main(argv=None) -> int:
             print("update:", c)
         save_floors(data)
         return 0
+    if not args.update and any(r["status"] == "FAIL" for r in rows):
+        rows = confirm(rows, table, args.quick)
+        if rows is None:
+            return 2
     failed = [r for r in rows if r["status"] == "FAIL"]
     missing = sorted({n for n, e in table.items() if e.get("floor") is not None} - {r["name"] for r in rows}
                      - {n for s in skipped for n in s["ratios"]})

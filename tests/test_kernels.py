@@ -402,3 +402,37 @@ def test_benchmark_packed_expert(benchmark, tokens):
     pe = fk.PackedExpert(w1, w3, w2)
     y = benchmark(pe.forward, x)
     check_expert(y, x, w1, w3, w2)
+
+
+def test_amx_crossover_is_where_amx_wins_from_there_on():
+    # {tokens: (amx s, vector s)}: a noisy win below the crossover does not count
+    assert fk.amx_crossover({2: (2.7, 2.2), 4: (2.7, 2.6), 6: (2.7, 2.6), 8: (2.7, 3.1), 16: (2.7, 6.0)}) == 8
+    assert fk.amx_crossover({2: (2.0, 2.2), 4: (2.7, 2.6), 8: (2.6, 3.1), 16: (2.6, 6.0)}) == 8
+    assert fk.amx_crossover({2: (2.0, 2.2), 16: (2.6, 6.0)}) == 2
+    assert fk.amx_crossover({2: (2.7, 2.2), 16: (6.1, 6.0)}) == 17  # AMX never wins: not used below 17
+
+
+@pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")
+def test_amx_tuning_measures_sets_and_can_be_overridden(monkeypatch):
+    fk.set_isa("auto")
+    try:
+        e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
+        # a few KB cannot show the DRAM regime: nothing is measured, the default stays
+        assert fk.tune_amx([e]) == {"min_tokens": 8, "source": "default"}
+        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
+        got = fk.tune_amx([e] * 4, candidates=(2, 16), rounds=1)
+        assert got["source"].startswith("tune_amx: measured") and set(got["ms"]) == {2, 16}
+        assert got["min_tokens"] == fk.amx_crossover(got["ms"]) == fk.features()["amx_min_tokens"]
+        monkeypatch.setenv("FIDDLER_KERNEL_AMX_MIN_TOKENS", "5")
+        assert fk.tune_amx([e]) == {"min_tokens": 5, "source": "FIDDLER_KERNEL_AMX_MIN_TOKENS"}
+    finally:
+        fk.set_isa("auto")
+    assert fk.amx_choice() == {"min_tokens": 8, "source": "default"}
+
+
+def test_amx_tuning_is_a_no_op_without_amx():
+    fk.set_isa("avx2" if FEATS.get("avx2") else "generic")
+    try:
+        assert fk.tune_amx([]) == {"min_tokens": None, "source": "AMX not in use"}
+    finally:
+        fk.set_isa("auto")

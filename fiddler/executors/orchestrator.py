@@ -177,6 +177,10 @@ class FiddlerExecutor(ExpertExecutor):
         # path, for comparisons)
         self.fused_decode = True
         self._take_experts(experts, take_ownership)
+        if self.kernel is not None and self.quant is None:
+            # a per-CPU knob, measured here on these experts before calibration times them: from how many
+            # tokens AMX tiles beat the vector path (a no-op without AMX or with too few bytes to stream)
+            self.kernel.tune_amx([p for row in self.packed for p in row if p is not None], threads=threads.all)
 
         # Double buffer for copied-in experts (kind b), allocated once; its size is in the reservation.
         self.buffers: list[ExpertWeights] = []

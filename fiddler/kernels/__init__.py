@@ -7,7 +7,8 @@ time from the CPU: AVX512-BF16 (plus AMX tiles for many tokens where the CPU has
 else portable C++. `FIDDLER_KERNEL_ISA` (auto, amx, avx512_bf16, avx2, generic) or `set_isa()` forces
 a path. How the weight stream prefetches (hint and distance) is a per-CPU knob: a per-vendor default,
 `FIDDLER_KERNEL_STREAM` / `set_stream()` to override it, `tune_stream()` to measure it here (see
-`stream()`). `read_limit()` is the independent memory-read limit that judges the kernel. Calls
+`stream()`). Where AMX is used, the token count from which it replaces the vector path is measured
+on the machine by `tune_amx()` (the engine runs it on its own experts). `read_limit()` is the independent memory-read limit that judges the kernel. Calls
 release the GIL.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from . import _lib
 
 __all__ = [
     "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "set_amx", "features", "set_num_threads",
-    "get_num_threads", "stream", "set_stream", "tune_stream", "read_limit", "limit_buffer", "stream_working_set_bytes",
+    "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "read_limit", "limit_buffer", "stream_working_set_bytes",
     "is_available", "load_error",
 ]
 
@@ -52,8 +53,8 @@ def _L():
 
 # ------------------------------------------------------------------ ISA selection and threads
 def set_isa(name: str | None = None) -> str:
-    """Selects the kernel path: None/"auto" (best for this CPU), "amx" (AVX512-BF16 with AMX tiles for
-    >= 16 tokens; error without AMX), "avx512_bf16" (no AMX), "avx2", "generic". Returns `isa()`."""
+    """Selects the kernel path: None/"auto" (best for this CPU), "amx" (AVX512-BF16 with AMX tiles from
+    the default amx_min_tokens up; error without AMX), "avx512_bf16" (no AMX), "avx2", "generic". Returns `isa()`."""
     name = (name or "auto").strip().lower()
     if name == "auto":
         rc = _L().fk_configure(-1, -1, 0)
@@ -65,15 +66,83 @@ def set_isa(name: str | None = None) -> str:
         raise ValueError(f"unknown kernel ISA {name!r}; choose one of auto, amx, avx512_bf16, avx2, generic")
     if rc != 0:
         raise ValueError(f"cannot select kernel ISA {name!r}: {_L().fk_last_error().decode()}")
+    _AMX_CHOICE.clear()
+    _AMX_CHOICE["source"] = "default"
     return isa()
 
 
-def set_amx(mode: str, min_tokens: int | None = None) -> None:
+def set_amx(mode: str, min_tokens: int | None = None, source: str = "set_amx") -> None:
     """For tests and experiments: AMX tiles "off", "on" (hardware) or "emulated" (software tiles, any
     CPU), used from `min_tokens` tokens up (None: the default). Keeps the current vector path;
     `set_isa()` restores the defaults."""
     code = {"off": _AMX_OFF, "on": _AMX_HW, "emulated": _AMX_EMULATED}[mode]
     _lib.check(_L().fk_configure(_L().fk_isa(), code, int(min_tokens or 0)))
+    _AMX_CHOICE.clear()
+    _AMX_CHOICE.update(source=source if min_tokens else "default")
+
+
+_AMX_CHOICE: dict = {"source": "default"}  # how amx_min_tokens was set (amx_choice())
+AMX_TUNE_CANDIDATES = (2, 3, 4, 6, 8, 12, 16)
+
+
+def amx_choice() -> dict:
+    """{"min_tokens", "source"} (+ "ms": {tokens: (amx, vector)} when tune_amx measured it), or
+    {"min_tokens": None, "source": why not} where AMX is not in use."""
+    if _L().fk_amx_mode() != _AMX_HW:
+        return {"min_tokens": None, "source": "AMX not in use"}
+    return {"min_tokens": int(_L().fk_amx_min_tokens()), **_AMX_CHOICE}
+
+
+def amx_crossover(times: dict[int, tuple[float, float]]) -> int:
+    """The smallest token count from which AMX is at least as fast as the vector path at every larger
+    measured count; times: {tokens: (amx, vector)}. The largest count + 1 if AMX loses at it."""
+    chosen = max(times) + 1
+    for c in sorted(times, reverse=True):
+        if times[c][0] > times[c][1]:
+            break
+        chosen = c
+    return chosen
+
+
+def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: int | None = None) -> dict:
+    """Measures from how many tokens AMX tiles beat the vector path, on these packed experts (the engine's
+    own: the decode and prefill regime they run in) and sets it. Each candidate token count runs with
+    AMX and without, interleaved, on a different expert each time (they must stream from DRAM: callers
+    pass more bytes than the last-level cache); the choice is the smallest candidate from which AMX is
+    at least as fast at every larger candidate (the largest candidate + 1 if it never is). A no-op
+    returning amx_choice() where AMX is not in use. FIDDLER_KERNEL_AMX_MIN_TOKENS overrides it."""
+    L = _L()
+    if L.fk_amx_mode() != _AMX_HW:
+        return amx_choice()
+    env = os.environ.get("FIDDLER_KERNEL_AMX_MIN_TOKENS")
+    if env:
+        set_amx("on", int(env), source="FIDDLER_KERNEL_AMX_MIN_TOKENS")
+        return amx_choice()
+    experts = [e for e in experts if isinstance(e, PackedExpert)]
+    if not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+        return amx_choice()  # too few bytes to measure the DRAM regime: keep what is set
+    hidden = experts[0].hidden
+    experts = [e for e in experts if e.hidden == hidden]
+    prev = int(L.fk_amx_min_tokens())
+    best = {c: [float("inf"), float("inf")] for c in candidates}  # [amx, vector] seconds
+    xs = {c: torch.ones(c, hidden, dtype=torch.bfloat16) for c in candidates}
+    i = 0
+    try:
+        for _ in range(max(1, rounds)):
+            for c in candidates:
+                for j, mode in enumerate((_AMX_HW, _AMX_OFF)):
+                    _lib.check(L.fk_configure(L.fk_isa(), mode, 1))
+                    e = experts[i % len(experts)]
+                    i += 1
+                    t = time.perf_counter()
+                    e.forward(xs[c], threads=threads)
+                    best[c][j] = min(best[c][j], time.perf_counter() - t)
+    finally:
+        _lib.check(L.fk_configure(L.fk_isa(), _AMX_HW, prev))
+    chosen = amx_crossover({c: tuple(t) for c, t in best.items()})
+    set_amx("on", chosen, source=f"tune_amx: measured on {len(experts)} experts of {hidden}x{experts[0].ffn}")
+    _AMX_CHOICE["ms"] = {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
+    return amx_choice()
 
 
 def isa() -> str:
@@ -95,6 +164,7 @@ def features() -> dict:
         amx_active=amx == _AMX_HW,
         amx_emulated=amx == _AMX_EMULATED,
         amx_min_tokens=L.fk_amx_min_tokens(),
+        amx_min_tokens_source=_AMX_CHOICE.get("source"),
         amx_status=L.fk_amx_status().decode(),
         stream=stream(),
     )

@@ -90,7 +90,12 @@ int available_cpus() {
 namespace {
 std::atomic<int> g_isa{-1};            // -1: not configured yet (auto on first use)
 std::atomic<int> g_amx{kAmxOff};
-constexpr int kDefaultAmxMinTokens = 16;  // below this the vector path is memory-bound anyway
+// Below this many tokens the vector path, above it AMX tiles (rows padded to 16). AMX's time is flat up
+// to 16 rows (memory-bound) and about 1.2x the vector path's at 1-2 tokens; the vector path turns
+// compute-bound at about 1.2 x its GFLOP/s / the read GB/s tokens: 5-6 on a 2-core Sapphire Rapids VM,
+// more where each core has less bandwidth. Measured per machine by fiddler.kernels.tune_amx (the
+// engine runs it on its own experts); this default only serves callers that do not.
+constexpr int kDefaultAmxMinTokens = 8;
 std::atomic<int> g_amx_min_tokens{kDefaultAmxMinTokens};
 std::atomic<int> g_threads{0};         // 0: all CPUs this process may run on
 std::string g_amx_status = "not checked";

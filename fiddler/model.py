@@ -285,6 +285,15 @@ class KVCache:
         k, v, j = self._where[i]
         return k[j], v[j]
 
+    def append(self, i: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes layer i's new entries k, v [B, heads, T, dim] at positions pos.. of rows 0..B-1 and
+        returns that layer's filled prefix [B, heads, pos + T, dim] of both."""
+        kc, vc = self.layer(i)
+        B, T = k.shape[0], k.shape[2]
+        kc[:B, :, pos : pos + T] = k
+        vc[:B, :, pos : pos + T] = v
+        return kc[:B, :, : pos + T], vc[:B, :, : pos + T]
+
     def reorder(self, beam_idx: torch.Tensor, length: int):
         """Beam search: row b of the cache becomes old row beam_idx[b] (only the filled prefix is copied)."""
         B = beam_idx.shape[0]
@@ -483,12 +492,8 @@ class MoETransformer:
         v = qkv[:, :, nh + nkv :].transpose(1, 2)
         cos, sin = self._rope(h.device)
         q, k = apply_rope(cfg, q, k, cos[pos : pos + T], sin[pos : pos + T])
-        kc, vc = self.cache.layer(i)
-        kc, vc = kc[:B], vc[:B]
-        kc[:, :, pos : pos + T] = k
-        vc[:, :, pos : pos + T] = v
-        L = pos + T
-        o = self._sdpa(q, kc[:, :, :L], vc[:, :, :L], B, T, pos, nkv)
+        keys, values = self.cache.append(i, pos, k, v)
+        o = self._sdpa(q, keys, values, B, T, pos, nkv)
         return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), self.dtype) if main else None)
 
     def _mla_attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int):
@@ -511,16 +516,13 @@ class MoETransformer:
             q_pe, k_pe = apply_rope(cfg, q_pe, k_pe, cos[pos : pos + T], None)
         else:
             q_pe, k_pe = apply_rope(cfg, q_pe, k_pe, cos[pos : pos + T], sin[pos : pos + T])
-        lc, pc = self.cache.layer(i)
-        lc, pc = lc[:B], pc[:B]
-        lc[:, :, pos : pos + T] = latent
-        pc[:, :, pos : pos + T] = k_pe
+        lc, pc = self.cache.append(i, pos, latent, k_pe)  # the latents and rope keys so far
         L = pos + T
-        kv = m["kv_b_proj"](lc[:, 0, :L].reshape(B * L, r)).view(B, L, nh, dn + dv).transpose(1, 2)
+        kv = m["kv_b_proj"](lc[:, 0].reshape(B * L, r)).view(B, L, nh, dn + dv).transpose(1, 2)
         k_nope, values = torch.split(kv, [dn, dv], dim=-1)
         keys = kv.new_empty(B, nh, L, dn + dr)
         keys[..., :dn].copy_(k_nope)
-        keys[..., dn:].copy_(pc[:, :, :L].expand(-1, nh, -1, -1))
+        keys[..., dn:].copy_(pc.expand(-1, nh, -1, -1))
         query = torch.cat((q_nope, q_pe), dim=-1)
         o = self._sdpa(query, keys, values, B, T, pos, nh)
         return self.layers[i].o_proj(o)

@@ -235,8 +235,8 @@ def plan_makespan(counts: Sequence[int], resident: Sequence[bool], lm) -> LayerP
     # answer is never worse than them by the planner's own prediction.
     paper = [paper_rule(counts[e], lm) for e in free]
     plans = []
-    for choice in {tuple(COPY if g else CPU for g in on_gpu): 0, (CPU,) * len(free): 0, (COPY,) * len(free): 0,
-                   tuple(paper): 0}:  # each distinct candidate once, in this order
+    candidates = (tuple(COPY if g else CPU for g in on_gpu), (CPU,) * len(free), (COPY,) * len(free), tuple(paper))
+    for choice in dict.fromkeys(candidates):  # each distinct candidate once, in this order
         for e, d in zip(free, choice):
             dec[e] = d
         plans.append(_plan(counts, dec, lm))

@@ -78,6 +78,12 @@ def test_bad_quant_arguments():
         Engine.from_pretrained(path, gguf="x.gguf")
 
 
+def _budget_with_experts(cfg, quant: str, n: int) -> int:
+    """A GPU budget: the reserved dense part (max_seq_len 256, 4 rows) plus n quantized experts."""
+    return sum(place(cfg, torch.bfloat16, 1 << 40, max_seq_len=256, max_batch=4, quant=quant)
+               .reserved.values()) + n * cfg.expert_bytes(torch.bfloat16, quant)
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
 def test_emulated_gpu_side_copies_block_bytes_and_matches_cpu(quant, tmp_path):
     """Kinds a (resident), b (copied in) and c (CPU) all run; b copies exactly the quantized bytes. In w
@@ -87,8 +93,7 @@ def test_emulated_gpu_side_copies_block_bytes_and_matches_cpu(quant, tmp_path):
     fk.quant.set_mode("w")
     try:
         cpu = Engine.from_pretrained(path, quant=quant, quant_cache=tmp_path)
-        budget = sum(place(cfg, torch.bfloat16, 1 << 40, max_seq_len=256, max_batch=4, quant=quant)
-                     .reserved.values()) + 5 * cfg.expert_bytes(torch.bfloat16, quant)
+        budget = _budget_with_experts(cfg, quant, 5)
         gpu = Engine.from_pretrained(path, quant=quant, quant_cache=tmp_path, max_seq_len=256,
                                      gpu=GpuSide.emulated(budget), executor=FiddlerPolicy(placement="popularity"))
         ex = gpu.executor
@@ -208,8 +213,7 @@ def test_cuda_gpu_side_dequantizes_block_bytes(quant, tmp_path):
     fk.quant.set_mode("w")
     try:
         cpu = Engine.from_pretrained(path, quant=quant, quant_cache=tmp_path, gpu=GpuSide.none())
-        budget = sum(place(cfg, torch.bfloat16, 1 << 40, max_seq_len=256, max_batch=4, quant=quant)
-                     .reserved.values()) + 5 * cfg.expert_bytes(torch.bfloat16, quant)
+        budget = _budget_with_experts(cfg, quant, 5)
         gpu = Engine.from_pretrained(path, quant=quant, quant_cache=tmp_path, max_seq_len=256,
                                      gpu=GpuSide.cuda(budget), executor=FiddlerPolicy(placement="popularity"))
         ex = gpu.executor

@@ -186,6 +186,9 @@ int moe_ffn(const void* const* p13, const void* const* p2, const uint16_t* w, in
             int64_t hidden, int64_t ffn, const uint16_t* x, int64_t tokens, uint16_t* y, int threads);
 int linear(const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t tokens,
            const float* bias, void* y, bool out_f32, int threads);
+// y[i] = bf16(sum_e bf16(ye[e][i] * w[e])) over `count` values per expert: the MoE combine as torch's
+// `(y * w).sum(dim)` rounds it (both moe_ffn drivers, bf16 and quantized)
+void combine_experts(const uint16_t* ye, const uint16_t* w, int n_experts, int64_t count, uint16_t* y);
 
 
 // ---------------------------------------------------------------- probe (fk_probe.cpp)

@@ -495,16 +495,7 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
         vo.store(acc + t * kQRows, nullptr, nv, ye + (e * tokens + t) * hidden + rg * kQRows, false);
     }
   });
-  if (n_experts == 1 && w[0] == 0x3f80) {
-    std::memcpy(y, ye, size_t(tokens * hidden) * 2);
-    return 0;
-  }
-  for (int64_t i = 0; i < tokens * hidden; ++i) {
-    float sum = 0.0f;
-    for (int e = 0; e < n_experts; ++e)
-      sum += bf16_to_f32(f32_to_bf16(bf16_to_f32(ye[e * tokens * hidden + i]) * bf16_to_f32(w[e])));
-    y[i] = f32_to_bf16(sum);
-  }
+  combine_experts(ye, w, n_experts, tokens * hidden, y);
   return 0;
 }
 

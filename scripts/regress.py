@@ -17,6 +17,8 @@ with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its fl
 the last UPDATE_WINDOW readings of every CPU with readings all support, less the margin (the file's,
 or the ratio's own): never to the latest reading alone, never down. Lowering a floor needs --lower with
 a --reason, which is stored next to the floor.
+A ratio measured on another kernel path than its recorded readings on this CPU ran (a fallback, which
+a floor sized for noise may not tell apart) fails at once, whatever its value.
 A ratio that crosses its floor is measured once more (its benchmark alone, right away) and fails
 only if that reading crosses too: both readings are printed. A regression crosses every time; one
 reading taken while another tenant of a shared machine was busy does not (CI once read q4_0 at 0.62 of
@@ -107,11 +109,19 @@ def save_floors(data: dict) -> None:
 
 
 def check(ratios: list[dict], floors: dict) -> list[dict]:
-    rows = []
+    """Each ratio against its floor, and its kernel path against the paths its recorded readings on this
+    CPU ran: a ratio measured on another path (a fallback the floor may not tell apart) fails as "path"."""
+    rows, me = [], cpu_name()
     for r in ratios:
-        f = floors.get(r["name"], {}).get("floor")
+        e = floors.get(r["name"], {})
+        f = e.get("floor")
+        known = {x["path"] for x in e.get("readings", []) if x.get("cpu") == me and x.get("path")}
         if f is None:
             status = "no floor"
+        elif r.get("path") and known and r["path"] not in known:
+            status = "FAIL"
+            r = {**r, "what": f"{r['what']} -- ran path {r['path']}, the readings on this CPU ran "
+                              f"{', '.join(sorted(known))}", "path_changed": True}
         elif r["direction"] == "higher":
             status = "pass" if r["value"] >= f else "FAIL"
         else:
@@ -123,7 +133,7 @@ def check(ratios: list[dict], floors: dict) -> list[dict]:
 def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
     """Measures the benchmarks of the failed ratios once more; a failed ratio keeps the better of its
     two readings (each reading is already the best of its rounds). None when the re-run failed."""
-    failed = [r for r in rows if r["status"] == "FAIL"]
+    failed = [r for r in rows if r["status"] == "FAIL" and not r.get("path_changed")]
     nodes = sorted({r["test"] for r in failed if r.get("test")})
     print(f"\nregress: {len(failed)} ratio(s) crossed the floor; measuring them once more to tell a regression "
           f"from a noisy reading: {', '.join(nodes) or '(no test ids)'}")
@@ -134,7 +144,7 @@ def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
     second = {r["name"]: r for r in again}
     out = []
     for r in rows:
-        if r["status"] == "FAIL":
+        if r["status"] == "FAIL" and not r.get("path_changed"):
             s = second.get(r["name"])
             readings = [r["value"]] + ([s["value"]] if s else [])
             best = max(readings) if r["direction"] == "higher" else min(readings)
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
             print("update:", c)
         save_floors(data)
         return 0
-    if not args.update and any(r["status"] == "FAIL" for r in rows):
+    if not args.update and any(r["status"] == "FAIL" and not r.get("path_changed") for r in rows):
         rows = confirm(rows, table, args.quick)
         if rows is None:
             return 2
@@ -274,7 +284,8 @@ def main(argv=None) -> int:
         return 2
     if failed:
         print("\nregress: FAILED " + "; ".join(
-            f"{r['name']} = {r['value']:.4g} {'<' if r['direction'] == 'higher' else '>'} floor {r['floor']:.4g}"
+            f"{r['name']} ran path {r['path']}, not a path of its readings on this CPU" if r.get("path_changed")
+            else f"{r['name']} = {r['value']:.4g} {'<' if r['direction'] == 'higher' else '>'} floor {r['floor']:.4g}"
             for r in failed), file=sys.stderr)
         return 1
     print(f"\nregress: all {len(rows)} ratios pass ({sum(r['floor'] is None for r in rows)} without a floor)")

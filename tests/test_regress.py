@@ -26,7 +26,9 @@ def regress(tmp_path, monkeypatch):
             readings["reruns"].append(nodes)
             values = readings.get("again", values)
         ratios = [{"name": n, "value": v, "direction": "lower" if n.startswith("p_") else "higher",
-                   "what": n, "sides": {}, "test": f"benchmarks/test_x.py::test_{n}"} for n, v in values.items()]
+                   "what": n, "sides": {}, "test": f"benchmarks/test_x.py::test_{n}",
+                   **({"path": readings["paths"][n]} if n in readings.get("paths", {}) else {})}
+                  for n, v in values.items()]
         return ratios, readings["skipped"], 0
 
     monkeypatch.setattr(mod, "run_suite", fake_suite)
@@ -136,3 +138,18 @@ def test_committed_floors_cover_both_classes():
         for name in ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "kernel_vs_limit_t64", "engine_decode_vs_transformers",
                      "planner_makespan_e128k8_t1"):
             assert quick[name]["floor"] is not None, (cls, name)
+
+
+def test_a_ratio_on_another_kernel_path_fails_without_a_second_reading(regress, capsys, monkeypatch):
+    regress.readings["paths"] = {"k_up": "avx512_vnni:a8"}
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    capsys.readouterr()
+    regress.readings["paths"] = {"k_up": "avx2:a8"}  # a fallback that still clears the floor
+    regress.readings["values"] = {"k_up": 1.0, "p_down": 0.1}
+    assert regress.main(["--quick", "--class", "avx512"]) == 1
+    cap = capsys.readouterr()
+    assert "FAILED k_up ran path avx2:a8" in cap.err and "the readings on this CPU ran avx512_vnni:a8" in cap.out
+    assert regress.readings["reruns"] == []  # a path change is not noise: nothing is re-measured
+    monkeypatch.setattr(regress, "cpu_name", lambda: "Other CPU")  # no readings of this CPU: nothing to compare
+    assert regress.main(["--quick", "--class", "avx512"]) == 0

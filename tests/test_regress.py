@@ -20,11 +20,13 @@ def regress(tmp_path, monkeypatch):
     monkeypatch.delenv("FIDDLER_KERNEL_ISA", raising=False)
     readings = {"values": {"k_up": 1.0, "p_down": 0.1}, "skipped": [], "reruns": []}
 
-    def fake_suite(quick, select, nodes=None):
+    def fake_suite(quick, select, nodes=None, rounds=None):
         values = readings["values"]
-        if nodes is not None:  # a confirmation run: the next readings, if a test set them
+        if nodes is not None:  # a confirmation run: the next readings, if a test set them (a list: in turn)
             readings["reruns"].append(nodes)
-            values = readings.get("again", values)
+            readings.setdefault("rounds", []).append(rounds)
+            again = readings.get("again", values)
+            values = (again.pop(0) if len(again) > 1 else again[0]) if isinstance(again, list) else again
         ratios = [{"name": n, "value": v, "direction": "lower" if n.startswith("p_") else "higher",
                    "what": n, "sides": {}, "test": f"benchmarks/test_x.py::test_{n}",
                    **({"path": readings["paths"][n]} if n in readings.get("paths", {}) else {})}
@@ -32,6 +34,7 @@ def regress(tmp_path, monkeypatch):
         return ratios, readings["skipped"], 0
 
     monkeypatch.setattr(mod, "run_suite", fake_suite)
+    monkeypatch.setattr(mod.time, "sleep", lambda s: readings.setdefault("pauses", []).append(s))
     mod.readings = readings
     return mod
 
@@ -83,7 +86,7 @@ def test_judging_names_each_failure(regress, capsys):
     assert regress.main(["--quick", "--class", "avx512"]) == 1
     cap = capsys.readouterr()
     assert "FAILED k_up = 0.8 < floor 0.85" in cap.err and "p_down = 0.2 > floor" in cap.err
-    assert "readings 0.8, 0.8" in cap.out  # measured twice, crossed twice
+    assert "readings 0.8, 0.8, 0.8, 0.8" in cap.out  # measured again after each pause, crossed each time
     assert regress.readings["reruns"][-1] == ["benchmarks/test_x.py::test_k_up", "benchmarks/test_x.py::test_p_down"]
 
 
@@ -95,12 +98,34 @@ def test_a_crossing_is_measured_again_and_fails_only_if_it_crosses_again(regress
     assert regress.main(["--quick", "--class", "avx512"]) == 0
     cap = capsys.readouterr()
     assert "readings 0.6, 0.95  -> pass" in cap.out and regress.readings["reruns"] == [["benchmarks/test_x.py::test_k_up"]]
+    assert regress.readings["rounds"] == [10]  # twice the quick suite's rounds
+    assert "pauses" not in regress.readings  # the first re-measurement is right away
+
+    # a busy phase that outlasts the first re-measurements: cleared by a later one, after the pauses
+    regress.readings["reruns"].clear()
+    regress.readings["again"] = [{"k_up": 0.7, "p_down": 0.1}, {"k_up": 0.8, "p_down": 0.1}, {"k_up": 0.9, "p_down": 0.1}]
+    assert regress.main(["--quick", "--class", "avx512"]) == 0
+    assert "readings 0.6, 0.7, 0.8, 0.9  -> pass" in capsys.readouterr().out
+    assert len(regress.readings["reruns"]) == 3 and regress.readings["pauses"] == list(regress.CONFIRM_PAUSES_S[1:3])
+
+    # a regression crosses every time: every reading is taken, the best one is judged, and it fails
+    regress.readings["reruns"].clear()
     regress.readings["again"] = {"k_up": 0.7, "p_down": 0.1}
     assert regress.main(["--quick", "--class", "avx512"]) == 1
-    assert "FAILED k_up = 0.7 < floor 0.85" in capsys.readouterr().err  # the better reading is still below
+    cap = capsys.readouterr()
+    assert "FAILED k_up = 0.7 < floor 0.85" in cap.err  # the best reading is still below
+    assert "readings 0.6" + ", 0.7" * len(regress.CONFIRM_PAUSES_S) + "  -> FAIL" in cap.out
+    assert len(regress.readings["reruns"]) == len(regress.CONFIRM_PAUSES_S)
     regress.readings["values"] = {"k_up": 0.6, "p_down": 0.1}
     assert regress.main(["--quick", "--class", "avx512", "--update"]) == 0  # --update records, never re-measures
-    assert len(regress.readings["reruns"]) == 2
+    assert len(regress.readings["reruns"]) == len(regress.CONFIRM_PAUSES_S)
+
+
+def test_machine_state_reads_steal_and_load(regress):
+    since = regress.cpu_times()
+    assert since is not None and 0 <= since[0] <= since[1]
+    line = regress.machine_state((since[0], since[1] - 100))
+    assert "steal" in line and "% of vCPU time" in line and "load" in line
 
 
 def test_missing_and_skipped_ratios(regress, capsys):

@@ -26,16 +26,23 @@ regression crosses every time; a reading taken while other tenants of a shared V
 (CI once read q4_0 at 0.62 of the limit, then 0.81 minutes later; such a busy phase can outlast one
 re-measurement taken right away, as kernel_vs_limit_t4 at 0.616 and 0.630 against 0.72-0.80 on the
 same binary, A/B-checked against an older build, showed).
+A ratio that crosses at every reading is measured last side by side with the reference build (floors.yaml's
+'reference': a commit that met every floor; --update sets it to the commit it read), exported and built
+in a temporary folder, alternating the two builds AB_ROUNDS times: it fails if this build reads more than
+AB_TOLERANCE worse than the reference, or when there is no reference to compare. A busy machine slows both
+builds alike; a regression slows one.
 Exit status: 0 all pass, 1 a ratio crossed its floor (each is named), 2 the suite itself failed.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +54,8 @@ FLOORS = ROOT / "results" / "regression" / "floors.yaml"
 UPDATE_WINDOW = 3  # readings a raised floor must be supported by
 HISTORY = 8  # readings kept per ratio
 CONFIRM_PAUSES_S = (0, 45, 90)  # a crossing ratio is re-measured after each pause until one reading clears
+AB_ROUNDS = 2  # alternations (reference build, this build) of the side-by-side check
+AB_TOLERANCE = 0.10  # this build may read this much worse than the reference build, side by side
 
 
 def cpu_flags() -> set[str]:
@@ -97,12 +106,12 @@ def machine_state(since: tuple[int, int] | None) -> str:
 
 
 def run_suite(quick: bool, select: str | None, nodes: list[str] | None = None,
-              rounds: int | None = None) -> tuple[list[dict], list[dict], int]:
-    """Runs benchmarks/ (or only the given test node ids; `rounds` overrides the suite's rounds) and
-    returns (ratios, skipped ratios, pytest's exit code)."""
+              rounds: int | None = None, root: Path = ROOT) -> tuple[list[dict], list[dict], int]:
+    """Runs benchmarks/ of the tree at `root` (or only the given test node ids, relative to it; `rounds`
+    overrides the suite's rounds) and returns (ratios, skipped ratios, pytest's exit code)."""
     with tempfile.TemporaryDirectory() as tmp:
         report, skips = Path(tmp) / "bench.json", Path(tmp) / "skips.jsonl"
-        cmd = [sys.executable, "-m", "pytest", *(nodes or [str(ROOT / "benchmarks")]), "-q", "--no-header", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", *(nodes or [str(root / "benchmarks")]), "-q", "--no-header", "-p", "no:cacheprovider",
                "--benchmark-enable", "--benchmark-quiet", f"--benchmark-json={report}", "-o", "console_output_style=classic"]
         if quick:
             cmd.append("--quick")
@@ -112,7 +121,7 @@ def run_suite(quick: bool, select: str | None, nodes: list[str] | None = None,
         if rounds:
             env["FIDDLER_REGRESS_ROUNDS"] = str(rounds)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine's setting; see benchmarks/test_system_ratios.py
-        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        rc = subprocess.run(cmd, cwd=root, env=env).returncode
         ratios = []
         if report.exists():
             for b in json.loads(report.read_text())["benchmarks"]:
@@ -199,6 +208,72 @@ def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
     return list(out.values())
 
 
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def reference_build(commit: str, dest: Path) -> str | None:
+    """Exports `commit` of this repository into dest and builds its kernel there (the same environment);
+    None when it is ready, else why not."""
+    try:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit],
+                             capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"git archive {commit} failed ({getattr(e, 'stderr', b'') or e!s})"
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(dest, filter="data")
+    b = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, capture_output=True, text=True)
+    return None if b.returncode == 0 else f"building {commit} failed: {b.stderr.strip()[-300:]}"
+
+
+def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[dict]:
+    """The last word on a ratio whose every reading crossed its floor: its benchmark on the reference
+    build (a commit that met every floor, floors.yaml's 'reference') and on this one, alternated AB_ROUNDS
+    times in one window. A busy machine lowers both builds alike; a regression lowers only this one, so
+    the ratio fails when this build reads more than AB_TOLERANCE worse than the reference (best readings
+    of each), and stays failed when there is no reference or it cannot be built."""
+    crossing = [r for r in rows if r["status"] == "FAIL" and "readings" in r]
+    names = {r["name"] for r in crossing}
+    commit = (reference or {}).get("commit")
+    if not crossing or not commit:
+        return rows
+    nodes = sorted({r["test"] for r in crossing if r.get("test")})
+    rounds = 2 * int(os.environ.get("FIDDLER_REGRESS_ROUNDS", 5 if quick else 9))
+    print(f"\nregress: {len(crossing)} ratio(s) crossed at every reading; measuring them side by side with the "
+          f"reference build {commit[:12]} ({AB_ROUNDS} alternations) to tell a regression from a busy machine")
+    ours: dict[str, list[float]] = {}
+    theirs: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="regress-reference-") as tmp:
+        why = reference_build(commit, Path(tmp))
+        if why:
+            print(f"regress: no side-by-side check: {why}", file=sys.stderr)
+            return rows
+        for _ in range(AB_ROUNDS):
+            for root, store in ((Path(tmp), theirs), (ROOT, ours)):
+                got, _, rc = run_suite(quick, None, nodes, rounds=rounds, root=root)
+                if rc not in (0, 5):
+                    print(f"regress: the side-by-side run in {root} failed (pytest exit {rc})", file=sys.stderr)
+                    return rows
+                for g in got:
+                    store.setdefault(g["name"], []).append(g["value"])
+    out = []
+    print(f"\nside by side with {commit[:12]} (a ratio fails if this build reads more than "
+          f"{AB_TOLERANCE:.0%} worse than the reference; best readings of each):")
+    for r in rows:
+        if r["name"] in names and ours.get(r["name"]) and theirs.get(r["name"]):
+            higher = r["direction"] == "higher"
+            o, t = (max if higher else min)(ours[r["name"]]), (max if higher else min)(theirs[r["name"]])
+            rel = o / t if t else float("inf")
+            ok = rel >= 1 - AB_TOLERANCE if higher else rel <= 1 + AB_TOLERANCE
+            r = {**r, "status": "pass" if ok else "FAIL",
+                 "side_by_side": {"reference": commit, "this": ours[r["name"]], "ref": theirs[r["name"]], "rel": rel}}
+            print(f"  {r['name']:<40} this {', '.join(f'{v:.4g}' for v in ours[r['name']])}; reference "
+                  f"{', '.join(f'{v:.4g}' for v in theirs[r['name']])}  this/reference {rel:.3f}  -> "
+                  + ("pass: the machine read low, not this build" if ok else "FAIL"))
+        out.append(r)
+    return out
+
+
 def print_table(rows: list[dict], skipped: list[dict], cls: str) -> None:
     print(f"\nregression ratios on {cpu_name()} (floors: {cls}; each ratio's sides interleaved, best of the rounds)")
     head = f"{'ratio':<40} {'floor':>9} {'measured':>9} {'':>2} {'status':<8} what"
@@ -261,6 +336,25 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
     return changes
 
 
+def set_reference(data: dict, crossed: list[str]) -> str:
+    """After --update: the build these readings came from becomes the side-by-side reference when it is a
+    commit (a clean tree but for the floors file) and met every floor it had (`crossed` names those it
+    did not: a build below its floors must never become the yardstick); else the reference stays."""
+    if crossed:
+        return f"reference build unchanged (this build crossed the floor of {', '.join(crossed)})"
+    try:
+        own = str(FLOORS.relative_to(ROOT)) if FLOORS.is_relative_to(ROOT) else FLOORS.name
+        dirty = [l for l in git("status", "--porcelain").splitlines() if not l.endswith(own)]
+        head = git("rev-parse", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        return "reference build unchanged (no git here)"
+    if dirty:
+        return f"reference build unchanged ({len(dirty)} uncommitted change(s): these readings are not of a commit)"
+    data["reference"] = {"commit": head, "date": _dt.date.today().isoformat(), "cpu": cpu_name(),
+                         "why": "the build of the last --update's readings"}
+    return f"reference build: {head[:12]}"
+
+
 def lower(table: dict, spec: str, reason: str) -> str:
     name, _, value = spec.partition("=")
     if name not in table:
@@ -314,12 +408,14 @@ def main(argv=None) -> int:
     if args.update:
         for c in update(data, floors_of(data, cls, mode, create=True), ratios) or ["no floor changed"]:
             print("update:", c)
+        print("update:", set_reference(data, [r["name"] for r in rows if r["status"] == "FAIL"]))
         save_floors(data)
         return 0
     if not args.update and any(r["status"] == "FAIL" and not r.get("path_changed") for r in rows):
         rows = confirm(rows, table, args.quick)
         if rows is None:
             return 2
+        rows = side_by_side(rows, data.get("reference"), args.quick)
     failed = [r for r in rows if r["status"] == "FAIL"]
     missing = sorted({n for n, e in table.items() if e.get("floor") is not None} - {r["name"] for r in rows}
                      - {n for s in skipped for n in s["ratios"]})
@@ -332,7 +428,9 @@ def main(argv=None) -> int:
             else f"{r['name']} = {r['value']:.4g} {'<' if r['direction'] == 'higher' else '>'} floor {r['floor']:.4g}"
             for r in failed), file=sys.stderr)
         return 1
-    print(f"\nregress: all {len(rows)} ratios pass ({sum(r['floor'] is None for r in rows)} without a floor)")
+    ab = [r["name"] for r in rows if "side_by_side" in r]
+    print(f"\nregress: all {len(rows)} ratios pass ({sum(r['floor'] is None for r in rows)} without a floor"
+          + (f"; {', '.join(ab)} only side by side with the reference build, below its floor" if ab else "") + ")")
     return 0
 
 

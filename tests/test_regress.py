@@ -20,9 +20,14 @@ def regress(tmp_path, monkeypatch):
     monkeypatch.delenv("FIDDLER_KERNEL_ISA", raising=False)
     readings = {"values": {"k_up": 1.0, "p_down": 0.1}, "skipped": [], "reruns": []}
 
-    def fake_suite(quick, select, nodes=None, rounds=None):
+    def fake_suite(quick, select, nodes=None, rounds=None, root=mod.ROOT):
         values = readings["values"]
-        if nodes is not None:  # a confirmation run: the next readings, if a test set them (a list: in turn)
+        if root != mod.ROOT:  # the reference build of the side-by-side check
+            readings.setdefault("ref_runs", []).append(nodes)
+            values = readings["ref_values"]
+        elif nodes is not None and "ref_runs" in readings:  # this build, side by side
+            values = readings.get("this_values", values)
+        elif nodes is not None:  # a confirmation run: the next readings, if a test set them (a list: in turn)
             readings["reruns"].append(nodes)
             readings.setdefault("rounds", []).append(rounds)
             again = readings.get("again", values)
@@ -34,6 +39,11 @@ def regress(tmp_path, monkeypatch):
         return ratios, readings["skipped"], 0
 
     monkeypatch.setattr(mod, "run_suite", fake_suite)
+    monkeypatch.setattr(mod, "reference_build", lambda commit, dest: readings.setdefault("built", []).append(commit)
+                        or readings.get("build_error"))
+    git_answers = {"status": " M fiddler/x.py", "rev-parse": "c0ffee" * 6 + "abcd"}  # dirty: no reference
+    monkeypatch.setattr(mod, "git", lambda *a: git_answers[a[0]])
+    readings["git"] = git_answers
     monkeypatch.setattr(mod.time, "sleep", lambda s: readings.setdefault("pauses", []).append(s))
     mod.readings = readings
     return mod
@@ -119,6 +129,50 @@ def test_a_crossing_is_measured_again_and_fails_only_if_it_crosses_again(regress
     regress.readings["values"] = {"k_up": 0.6, "p_down": 0.1}
     assert regress.main(["--quick", "--class", "avx512", "--update"]) == 0  # --update records, never re-measures
     assert len(regress.readings["reruns"]) == len(regress.CONFIRM_PAUSES_S)
+
+
+def test_update_makes_its_commit_the_reference_build_only_from_a_clean_tree(regress):
+    regress.main(["--quick", "--update", "--class", "avx512"])
+    assert "reference" not in yaml.safe_load(regress.FLOORS.read_text())  # uncommitted changes: not a build
+    regress.readings["git"]["status"] = " M results/regression/floors.yaml"  # the floors file itself may differ
+    regress.main(["--quick", "--update", "--class", "avx512"])
+    ref = yaml.safe_load(regress.FLOORS.read_text())["reference"]
+    assert ref["commit"] == regress.readings["git"]["rev-parse"] and ref["cpu"] == "Test CPU"
+    for _ in range(2):
+        regress.main(["--quick", "--update", "--class", "avx512"])  # floors now set
+    regress.readings["git"]["rev-parse"] = "bad" * 13 + "b"
+    regress.readings["values"] = {"k_up": 0.5, "p_down": 0.1}  # this build is below a floor: never the yardstick
+    regress.main(["--quick", "--update", "--class", "avx512"])
+    assert yaml.safe_load(regress.FLOORS.read_text())["reference"]["commit"] == ref["commit"]
+
+
+def test_a_ratio_crossing_at_every_reading_is_judged_side_by_side_with_the_reference(regress, capsys):
+    regress.readings["git"]["status"] = ""
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    capsys.readouterr()
+    sha = regress.readings["git"]["rev-parse"]
+    # a busy machine: every reading crosses, and the reference build reads as low side by side
+    regress.readings["values"] = {"k_up": 0.6, "p_down": 0.2}
+    regress.readings["ref_values"] = {"k_up": 0.63, "p_down": 0.19}
+    assert regress.main(["--quick", "--class", "avx512"]) == 0
+    cap = capsys.readouterr()
+    assert regress.readings["built"] == [sha] and len(regress.readings["ref_runs"]) == regress.AB_ROUNDS
+    assert regress.readings["ref_runs"][0] == ["benchmarks/test_x.py::test_k_up", "benchmarks/test_x.py::test_p_down"]
+    assert "this/reference 0.952  -> pass" in cap.out and "this/reference 1.053  -> pass" in cap.out
+    assert "k_up, p_down only side by side with the reference build" in cap.out
+    # a regression: the reference build reads well in the same window
+    regress.readings["ref_values"] = {"k_up": 0.9, "p_down": 0.1}
+    assert regress.main(["--quick", "--class", "avx512"]) == 1
+    cap = capsys.readouterr()
+    assert "this/reference 0.667  -> FAIL" in cap.out and "this/reference 2.000  -> FAIL" in cap.out
+    assert "FAILED k_up = 0.6 < floor 0.85" in cap.err
+    # no reference to compare with: the crossing stands
+    regress.readings["ref_values"] = {"k_up": 0.6, "p_down": 0.2}
+    regress.readings["build_error"] = "building c0ffee failed: no compiler"
+    assert regress.main(["--quick", "--class", "avx512"]) == 1
+    cap = capsys.readouterr()
+    assert "no side-by-side check: building c0ffee failed" in cap.err and "FAILED k_up" in cap.err
 
 
 def test_machine_state_reads_steal_and_load(regress):

@@ -169,13 +169,19 @@ def check(ratios: list[dict], floors: dict) -> list[dict]:
     return rows
 
 
+def recheck_rounds(quick: bool) -> int:
+    """Rounds of a re-measurement: twice the suite's (benchmarks/conftest.py), a longer window to find a
+    quiet moment in."""
+    return 2 * int(os.environ.get("FIDDLER_REGRESS_ROUNDS", 5 if quick else 9))
+
+
 def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
     """Measures the benchmarks of the failed ratios again, after each pause of CONFIRM_PAUSES_S, with
     twice the suite's rounds, until every one has a reading that clears its floor; a ratio fails only if
     all its readings cross (each reading is already the best of its rounds). None when a re-run failed."""
     failed = [r for r in rows if r["status"] == "FAIL" and not r.get("path_changed")]
     readings = {r["name"]: [r["value"]] for r in failed}
-    rounds = 2 * int(os.environ.get("FIDDLER_REGRESS_ROUNDS", 5 if quick else 9))
+    rounds = recheck_rounds(quick)
     print(f"\nregress: {len(failed)} ratio(s) crossed the floor; measuring them again (up to "
           f"{len(CONFIRM_PAUSES_S)} times, {rounds} rounds) to tell a regression from a busy machine")
     out = {r["name"]: r for r in rows}
@@ -238,7 +244,7 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
     if not crossing or not commit:
         return rows
     nodes = sorted({r["test"] for r in crossing if r.get("test")})
-    rounds = 2 * int(os.environ.get("FIDDLER_REGRESS_ROUNDS", 5 if quick else 9))
+    rounds = recheck_rounds(quick)
     print(f"\nregress: {len(crossing)} ratio(s) crossed at every reading; measuring them side by side with the "
           f"reference build {commit[:12]} ({AB_ROUNDS} alternations) to tell a regression from a busy machine")
     ours: dict[str, list[float]] = {}

@@ -435,7 +435,7 @@ def main(argv=None) -> int:
             for r in failed), file=sys.stderr)
         return 1
     ab = [r["name"] for r in rows if "side_by_side" in r]
-    print(f"\nregress: all {len(rows)} ratios pass ({sum(r['floor'] is None for r in rows)} without a floor"
+    print(f"\nregress: all {len(rows)} ratio{'s' if len(rows) != 1 else ''} pass ({sum(r['floor'] is None for r in rows)} without a floor"
           + (f"; {', '.join(ab)} only side by side with the reference build, below its floor" if ab else "") + ")")
     return 0
 

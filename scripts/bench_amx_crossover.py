@@ -10,8 +10,6 @@ project's cache (run `python run.py system=fiddler model=small_mixtral` once to 
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import sys
 import time
 
@@ -19,16 +17,16 @@ import torch
 
 import fiddler.kernels as fk
 from fiddler.engine import Engine
+from runners.synthetic import default_cache_root
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cache = os.environ.get("FIDDLER_CACHE", os.path.expanduser("~/.cache/fiddler"))
     ap.add_argument("--model", help="checkpoint directory (default: small_mixtral in the cache)")
     ap.add_argument("--prompts", type=int, nargs="+", default=[8, 32, 64, 128])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    path = args.model or next(iter(sorted(glob.glob(f"{cache}/models/small_mixtral-*"))), None)
+    path = args.model or next(iter(sorted(default_cache_root().glob("small_mixtral-*"))), None)
     if path is None:
         ap.error("no --model and no small_mixtral in the cache")
     eng = Engine.from_pretrained(path)

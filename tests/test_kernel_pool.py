@@ -2,6 +2,7 @@
 late or busy pool never blocks a caller, and forked children get a working pool."""
 from __future__ import annotations
 
+import ctypes
 import random
 import subprocess
 import sys
@@ -48,33 +49,33 @@ def test_concurrent_mixed_calls_match_single_threaded_results():
 
 
 def test_call_while_pool_is_busy_does_not_wait_for_it():
-    # a long call holds the pool; a short call from another thread must finish long before it
+    # a region of our own holds the pool until we release it: a call from another thread that waited
+    # for the pool would never finish while it is held, on any machine, so no timing is compared
+    held, release = threading.Event(), threading.Event()
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+    def hold(ctx, begin, end):
+        held.set()
+        release.wait(300)
+
     g = torch.Generator().manual_seed(1)
-    big = fk.PackedLinear((torch.randn(4096, 4096, generator=g) / 64).bfloat16())
-    small = fk.PackedLinear((torch.randn(64, 128, generator=g) / 16).bfloat16())
-    xb = torch.randn(48, 4096, generator=g).bfloat16()
-    xs = torch.randn(1, 128, generator=g).bfloat16()
-    expected = small.forward(xs, threads=1)
-    t0 = time.perf_counter()
-    big.forward(xb)
-    big_s = time.perf_counter() - t0
-    started, done = threading.Event(), {}
-
-    def long_call():
-        started.set()
-        for _ in range(3):
-            big.forward(xb)
-        done["long"] = time.perf_counter()
-
-    th = threading.Thread(target=long_call)
-    th.start()
-    started.wait()
-    time.sleep(big_s / 4)
-    ys = small.forward(xs)
-    done["short"] = time.perf_counter()
-    th.join()
-    assert torch.equal(ys, expected)
-    assert done["short"] < done["long"]
+    lin = fk.PackedLinear((torch.randn(1024, 1024, generator=g) / 32).bfloat16())  # big enough for 2 threads
+    x = torch.randn(1, 1024, generator=g).bfloat16()
+    expected = lin.forward(x, threads=1)
+    holder = threading.Thread(target=fk._lib.lib.fk_parallel_for, args=(2, 2, ctypes.cast(hold, ctypes.c_void_p), None))
+    holder.start()
+    try:
+        assert held.wait(120), "the holding region never started"
+        got = {}
+        caller = threading.Thread(target=lambda: got.setdefault("y", lin.forward(x, threads=2)))
+        caller.start()
+        caller.join(120)  # a bound for a deadlock, not a timing: the pool stays held throughout
+        assert not caller.is_alive(), "a call waited for the busy pool"
+        assert not release.is_set() and holder.is_alive()  # it finished while the pool was held
+    finally:
+        release.set()
+        holder.join(120)
+    assert torch.equal(got["y"], expected)
 
 
 def test_pool_works_in_forked_child():

@@ -42,6 +42,7 @@ def _declare(l: ctypes.CDLL) -> None:
         "fk_compiled_x86": (c.c_int, []),
         "fk_set_num_threads": (None, [c.c_int]),
         "fk_get_num_threads": (c.c_int, []),
+        "fk_parallel_for": (None, [c.c_int, c.c_int64, c.c_void_p, c.c_void_p]),
         "fk_packed_bytes": (c.c_int64, [c.c_int64, c.c_int64, c.c_int]),
         "fk_advise_hugepages": (None, [c.c_void_p, c.c_int64]),
         "fk_pack": (c.c_int, [c.POINTER(c.c_void_p), c.c_int, c.c_int64, c.c_int64, c.c_void_p, c.c_int]),

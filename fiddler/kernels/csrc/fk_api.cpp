@@ -33,6 +33,11 @@ FK_API int fk_compiled_x86() {
 }
 
 FK_API void fk_set_num_threads(int n) { set_default_threads(n); }
+// fn(ctx, begin, end) over [0, items) on the kernel's pool, as the kernels run their regions: lets a
+// caller (the tests) hold the pool with a region of its own and check what another call does meanwhile
+FK_API void fk_parallel_for(int threads, int64_t items, void (*fn)(const void*, int64_t, int64_t), const void* ctx) {
+  parallel_for(threads, items, fn, ctx);
+}
 FK_API int fk_get_num_threads() { return default_threads(); }
 
 // Weight-stream knobs: hint (0 none, 1 t0, 2 t1, 3 nta; -1: back to the per-CPU default), its

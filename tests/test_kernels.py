@@ -412,24 +412,6 @@ def test_amx_crossover_is_where_amx_wins_from_there_on():
     assert fk.amx_crossover({2: (2.7, 2.2), 16: (6.1, 6.0)}) == 17  # AMX never wins: not used below 17
 
 
-@pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")
-def test_amx_tuning_measures_sets_and_can_be_overridden(monkeypatch):
-    fk.set_isa("auto")
-    try:
-        e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
-        # a few KB cannot show the DRAM regime: nothing is measured, the default stays
-        assert fk.tune_amx([e]) == {"min_tokens": 8, "source": "default"}
-        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
-        got = fk.tune_amx([e] * 4, candidates=(2, 16), rounds=1)
-        assert got["source"].startswith("tune_amx: measured") and set(got["ms"]) == {2, 16}
-        assert got["min_tokens"] == fk.amx_crossover(got["ms"]) == fk.features()["amx_min_tokens"]
-        monkeypatch.setenv("FIDDLER_KERNEL_AMX_MIN_TOKENS", "5")
-        assert fk.tune_amx([e]) == {"min_tokens": 5, "source": "FIDDLER_KERNEL_AMX_MIN_TOKENS"}
-    finally:
-        fk.set_isa("auto")
-    assert fk.amx_choice() == {"min_tokens": 8, "source": "default"}
-
-
 class _ScriptedClock:
     """perf_counter for fiddler.kernels: each timed call (a start and an end reading) lasts the next
     of `durations` seconds, whatever the kernel really took."""
@@ -444,7 +426,29 @@ class _ScriptedClock:
         return self.now
 
 
-@pytest.mark.xfail(strict=True, reason="bug: tune_amx chooses from raw times but stores them rounded")
+@pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")
+def test_amx_tuning_measures_sets_and_can_be_overridden(monkeypatch):
+    import types
+
+    fk.set_isa("auto")
+    try:
+        e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
+        # a few KB cannot show the DRAM regime: nothing is measured, the default stays
+        assert fk.tune_amx([e]) == {"min_tokens": 8, "source": "default"}
+        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
+        # injected times (AMX, vector per candidate): AMX loses at 2 tokens and wins from 16
+        clock = _ScriptedClock([3e-3, 2e-3, 4e-3, 9e-3])
+        monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        got = fk.tune_amx([e] * 4, candidates=(2, 16), rounds=1)
+        assert got["source"].startswith("tune_amx: measured on 4 experts") and got["ms"] == {2: (3.0, 2.0), 16: (4.0, 9.0)}
+        assert got["min_tokens"] == 16 == fk.features()["amx_min_tokens"]
+        monkeypatch.setenv("FIDDLER_KERNEL_AMX_MIN_TOKENS", "5")
+        assert fk.tune_amx([e]) == {"min_tokens": 5, "source": "FIDDLER_KERNEL_AMX_MIN_TOKENS"}
+    finally:
+        fk.set_isa("auto")
+    assert fk.amx_choice() == {"min_tokens": 8, "source": "default"}
+
+
 @pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")
 def test_amx_tuning_stores_the_times_it_chose_from(monkeypatch):
     """CI read min_tokens 17 beside ms {2: (0.028, 0.01), 16: (0.009, 0.009)}, from which the rule

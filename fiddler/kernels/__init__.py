@@ -139,9 +139,12 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
                     best[c][j] = min(best[c][j], time.perf_counter() - t)
     finally:
         _lib.check(L.fk_configure(L.fk_isa(), _AMX_HW, prev))
-    chosen = amx_crossover({c: tuple(t) for c, t in best.items()})
+    # chosen from the times as stored (to the microsecond), so that amx_crossover(ms) of a record
+    # gives its min_tokens: a difference below the stored precision is noise, not a win
+    ms = {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
+    chosen = amx_crossover(ms)
     set_amx("on", chosen, source=f"tune_amx: measured on {len(experts)} experts of {hidden}x{experts[0].ffn}")
-    _AMX_CHOICE["ms"] = {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
+    _AMX_CHOICE["ms"] = ms
     return amx_choice()
 
 

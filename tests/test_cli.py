@@ -76,6 +76,7 @@ def test_multirun_prints_one_combined_table(tmp_path):
     assert "Combined table (2 rows" in res.stdout
 
 
+@pytest.mark.realtime
 def test_sigterm_mid_sweep_keeps_the_index_whole(tmp_path):
     index = tmp_path / "index.jsonl"
     proc = subprocess.Popen(

@@ -145,9 +145,10 @@ def test_inline_job_writes_records_table_and_index(tmp_path):
     assert "hf_transformers" in (tmp_path / "run" / "table.md").read_text()
 
 
+@pytest.mark.realtime  # the hang (12) ends at run.timeout_s; instant configurations stay far below it
 def test_failing_configurations_are_isolated(tmp_path):
     recs = _job(tmp_path, "workload.input_lens=[8,11,12,13,14,9]", "run.isolation=process",
-                "run.timeout_s=20", "run.memory_limit_gb=6", "workload.warmup=0", "workload.repetitions=1")
+                "run.timeout_s=10", "run.memory_limit_gb=6", "workload.warmup=0", "workload.repetitions=1")
     by_len = {r["point"]["input_len"]: r for r in recs}
     assert {k: v["status"] for k, v in by_len.items()} == {
         8: "ok", 11: "error", 12: "timeout", 13: "oom", 14: "error", 9: "ok"}

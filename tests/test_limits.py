@@ -10,9 +10,10 @@ from runners.schema import ConfigError
 from tests.test_harness import _job, cfg_of
 
 
+@pytest.mark.realtime
 def test_timeout_is_enforced_for_a_single_configuration(tmp_path):
     """Bug 2: with one configuration the job ran inline and run.timeout_s was silently ignored."""
-    recs = _job(tmp_path, "workload.input_lens=[15]", "run.timeout_s=1.5")  # 3 generates of 1 s
+    recs = _job(tmp_path, "workload.input_lens=[12]", "run.timeout_s=1.5")  # a generate that hangs
     assert [r["status"] for r in recs] == ["timeout"]
     assert recs[0]["reason"] == "configuration exceeded run.timeout_s=1.5"
     assert recs[0]["method"]["isolation"] == "process" and "metrics" not in recs[0]
@@ -41,15 +42,19 @@ def test_inline_refuses_a_limit_it_cannot_enforce(limit):
         prepare(cfg_of("run.isolation=inline", limit))
 
 
+@pytest.mark.realtime
 def test_load_time_is_recorded_apart_and_not_charged_to_a_configuration(tmp_path, monkeypatch):
-    """`run.timeout_s` counted the system load against the first configuration."""
-    monkeypatch.setenv("FIDDLER_FAKE_LOAD_S", "12")  # margins for a busy machine
+    """`run.timeout_s` counted the system load against the first configuration. A load of 12 s
+    (a sleep: at least that on any machine) under a 10 s limit per configuration, whose own work is
+    instant: a charged load times the first one out."""
+    monkeypatch.setenv("FIDDLER_FAKE_LOAD_S", "12")
     recs = _job(tmp_path, "workload.input_lens=[8,9]", "run.timeout_s=10")
     assert [r["status"] for r in recs] == ["ok", "ok"]
     for r in recs:
-        assert r["timing"]["load_s"] >= 12 and r["timing"]["measure_s"] < 10
+        assert r["timing"]["load_s"] >= 12 and r["timing"]["measure_s"] is not None
 
 
+@pytest.mark.realtime
 def test_a_load_over_its_limit_fails_every_configuration_once(tmp_path, monkeypatch):
     loads = tmp_path / "loads.txt"
     monkeypatch.setenv("FIDDLER_FAKE_LOAD_LOG", str(loads))

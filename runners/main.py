@@ -71,8 +71,7 @@ def _limits(conf: Config) -> list[str]:
 
 
 def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
-    """Validate (types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
-    preflight.check_known_keys(cfg)
+    """Validate (keys, types, ranges, mode) before anything runs; raises ConfigError with a one-line reason."""
     conf = validate(cfg)
     if conf.run.isolation is Isolation.inline and _limits(conf):
         raise ConfigError(f"run.isolation=inline cannot enforce {', '.join(_limits(conf))}: limits need a child "

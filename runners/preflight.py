@@ -1,37 +1,16 @@
-"""Start-up checks beyond the schema's value checks: keys the schema does not know, and what the job
-will read or write on this host (index, prompt file, cores). Each raises ConfigError with a one-line
-reason that starts with the key, so a bad input fails with exit 2 before anything is loaded or run.
+"""Start-up checks beyond the schema's (runners.schema.validate: known keys, types, ranges): what the
+job will read or write on this host (index, prompt file, cores) and whether its environment is this
+host. Each raises ConfigError with a one-line reason that starts with the key, so a bad input fails
+with exit 2 before anything is loaded or run.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import tempfile
 from pathlib import Path
-
-from omegaconf import DictConfig, OmegaConf
 
 from fiddler import hardware
 from runners import provenance
 from runners.schema import Config, ConfigError
-
-
-def check_known_keys(node: DictConfig, prefix: str = "") -> None:
-    """Every key is one of its schema's fields. `+key=value` adds a key that struct mode refuses, and
-    converting the config to objects then drops it silently (`+system.planer=paper` ran as ok)."""
-    schema = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(schema):
-        return  # a free-form mapping (model.arch, system.zero_overrides)
-    fields = [f.name for f in dataclasses.fields(schema)]
-    for key, value in node.items_ex(resolve=False):
-        name = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"did you mean {prefix}{close[0]}? " if close else ""
-            raise ConfigError(f"{name} is not a known key; {hint}allowed under {prefix[:-1] or 'the top level'}: "
-                              f"{', '.join(fields)}")
-        if isinstance(value, DictConfig):
-            check_known_keys(value, f"{name}.")
 
 
 def check_execute_environment(requested: dict) -> None:

@@ -1,11 +1,13 @@
 """Structured configs: the schema of every config group, registered in Hydra's ConfigStore.
 
-OmegaConf checks types and enum values when the config is composed; the range checks in
-``__post_init__`` run when :func:`validate` turns the config into objects. Every error names the
+OmegaConf checks types and enum values when the config is composed; unknown keys are refused and the
+range checks in ``__post_init__`` run when :func:`validate` turns the config into objects. Every error names the
 key and what is allowed, so a bad command line fails at start with a one-line reason.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -242,9 +244,40 @@ def register() -> None:
     cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     for name, node in system_configs().items():
-        cs.store(group="system", name=name, node=node)
+        # Lenient about unknown keys at composition, strict in validate() (check_known_keys), which
+        # every job runs at its start. In `-m system=fiddler,llama_cpp system.quant=q4_0` Hydra applies
+        # system.quant to the sweep's primary config, composed with the default system (hf_transformers,
+        # no quant) before any sweeper exists, so no custom sweeper could help; then BasicSweeper
+        # composes every job before the first runs. A strict node stopped the whole sweep at either
+        # step; lenient, each job gets the key on its own system and one whose system lacks it is
+        # refused alone (job_error.txt), with any launcher. The fields stay typed: a bad value for a
+        # known key still fails at composition.
+        cs.store(group="system", name=name, node=OmegaConf.structured(node, flags={"struct": False}))
+
+
+def check_known_keys(node: DictConfig, prefix: str = "") -> None:
+    """Every key is one of its schema's fields. A system's node takes any key at composition
+    (register), and `+key=value` adds one anywhere; converting the config to objects would then drop
+    it silently (`+system.planer=paper` ran as ok)."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return  # a free-form mapping (model.arch, system.zero_overrides)
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key, value in node.items_ex(resolve=False):
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean {prefix}{close[0]}? " if close else ""
+            where = prefix[:-1] or "the top level"
+            if where == "system":  # in a sweep over systems, say which one lacks it
+                where = f"system={node.get('name')}"
+            raise ConfigError(f"{name} is not a known key; {hint}allowed under {where}: {', '.join(fields)}")
+        if isinstance(value, DictConfig):
+            check_known_keys(value, f"{name}.")
 
 
 def validate(cfg: DictConfig) -> Config:
-    """Resolve interpolations and run every range check; raises ConfigError naming the key."""
+    """Check that every key is known, resolve interpolations and run every range check; raises
+    ConfigError naming the key."""
+    check_known_keys(cfg)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]

@@ -88,7 +88,16 @@ def _death_reason(exitcode: int, last_line: str, memory_limit_gb: float | None) 
     return "error", f"child process exited with status {exitcode} before finishing the configuration{said}"
 
 
+def _spawnable_start_method() -> None:
+    """A spawned child sets up multiprocessing with its parent's start method. In a joblib (loky)
+    worker that is "loky", which a fresh interpreter does not know ("cannot find context for 'loky'"),
+    so such a worker's default becomes "spawn", the method the child is started with anyway."""
+    if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
+        mp.set_start_method("spawn", force=True)
+
+
 def _start(job: Job, todo: list[int]):
+    _spawnable_start_method()
     parent_conn, child_conn = _CTX.Pipe(duplex=False)
     err_read, err_write = _CTX.Pipe(duplex=False)
     proc = _CTX.Process(target=_child_main, args=(job, todo, child_conn, err_write), daemon=True)

@@ -107,8 +107,6 @@ def test_sigterm_mid_sweep_keeps_the_index_whole(tmp_path):
         assert key not in {(r["workload"], r["point"]["input_len"]) for r in ok}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a child process started in a joblib (loky) worker fails: "
-                                       "'cannot find context for loky'")
 def test_joblib_launcher_runs_jobs_that_start_child_processes(tmp_path):
     """README's `python run.py -m hydra/launcher=joblib hydra.launcher.n_jobs=2 ...`: two configurations
     per job put each job's measurement in a child process, started inside a joblib worker."""

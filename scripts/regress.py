@@ -42,17 +42,19 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ab.py, beside this file
+from ab import export_build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ROOT / "results" / "regression" / "floors.yaml"
@@ -225,16 +227,8 @@ def git(*args: str) -> str:
 
 def reference_build(commit: str, dest: Path) -> str | None:
     """Exports `commit` of this repository into dest and builds its kernel there (the same environment);
-    None when it is ready, else why not."""
-    try:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit],
-                             capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        return f"git archive {commit} failed ({getattr(e, 'stderr', b'') or e!s})"
-    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-        t.extractall(dest, filter="data")
-    b = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, capture_output=True, text=True)
-    return None if b.returncode == 0 else f"building {commit} failed: {b.stderr.strip()[-300:]}"
+    None when it is ready, else why not (scripts/ab.py's export_build)."""
+    return export_build(commit, dest, ROOT)
 
 
 def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[dict]:

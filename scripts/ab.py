@@ -33,8 +33,9 @@ Exit status: 0 it ran (whatever the verdict; 1 with --fail-on-change when change
 REV, a failed build or a failed command.
 
 The noise rule is `verdict` (its docstring; README "A/B against another revision"): changed only when the
-median ratio is further from 1 than the noise band (and --tolerance) AND enough rounds agree on the side
-of 1 that a sign test rejects "no change" at SIGN_ALPHA.
+median ratio is further from 1 than the noise band (the sides' own scatter, the ratios' own scatter,
+--tolerance: the largest) AND enough rounds agree on the side of 1 that a sign test rejects "no change"
+at SIGN_ALPHA.
 """
 from __future__ import annotations
 
@@ -94,10 +95,12 @@ def verdict(base: list[float], head: list[float], tolerance: float = 0.0, alpha:
     The rule:
     - ratio of round i: r_i = head[i] / base[i] (1 when both are 0, inf when only base is); the effect is
       their median m;
-    - each side's noise is its own scatter: s = 1.4826 x MAD / median of that side's readings (a robust
-      standard deviation, relative; one wild round does not move it); a round's ratio then scatters by
-      about sqrt(s_base^2 + s_head^2), and that is the noise band (at least `tolerance`, a fraction: 0.02
-      means "within 2%" even when the readings are steadier than that);
+    - noise is scatter measured as s = 1.4826 x MAD / median (a robust standard deviation, relative; one
+      wild round does not move it). Each side's own scatter predicts that a round's ratio scatters by about
+      sqrt(s_base^2 + s_head^2); the ratios' own scatter s_ratio measures it directly (larger when the two
+      sides move apart from round to round, smaller when a busy machine moves both alike). The noise band is
+      the larger of the two (and at least `tolerance`, a fraction: 0.02 means "within 2%" even when the
+      readings are steadier than that);
     - "changed" only if |m - 1| > band AND at least `rounds_needed(n)` of the n rounds have r_i on the
       same side of 1 as m (a two-sided sign test at `alpha`, default 10%: with 5 rounds all 5 must agree,
       with 10 rounds 9). Rounds with r_i == 1 count against. The first condition asks for an effect larger
@@ -105,7 +108,7 @@ def verdict(base: list[float], head: list[float], tolerance: float = 0.0, alpha:
     With fewer than 5 rounds (at alpha 0.10) the sign test can never reject, so the answer is "within
     noise": too few rounds to tell, which `why` says.
 
-    Returns {"rounds", "ratios", "median_ratio", "band", "noise": {"base", "head"}, "tolerance", "agree",
+    Returns {"rounds", "ratios", "median_ratio", "band", "noise": {"base", "head", "ratio"}, "tolerance", "agree",
     "agree_needed", "changed", "direction" ("higher" | "lower" | None: head/base), "verdict" ("within
     noise" | "changed (head/base higher)" | "changed (head/base lower)"), "why"}.
     Raises ValueError for no readings, unequal lengths, or a reading that is negative or not finite.
@@ -120,7 +123,11 @@ def verdict(base: list[float], head: list[float], tolerance: float = 0.0, alpha:
     ratios = [_ratio(h, b) for b, h in zip(base, head)]
     m = statistics.median(ratios)
     sb, sh = _rel_spread(base), _rel_spread(head)
-    band = max(math.hypot(sb, sh), tolerance)
+    if all(math.isfinite(r) for r in ratios):
+        sr = _rel_spread(ratios)
+    else:  # a base of 0 in some rounds: the ratios have no scale unless every one is the same
+        sr = 0.0 if len(set(ratios)) == 1 else math.inf
+    band = max(math.hypot(sb, sh), sr, tolerance)
     direction = "higher" if m > 1 else "lower" if m < 1 else None
     agree = sum(r > 1 for r in ratios) if m > 1 else sum(r < 1 for r in ratios) if m < 1 else 0
     need = rounds_needed(n, alpha)
@@ -135,7 +142,7 @@ def verdict(base: list[float], head: list[float], tolerance: float = 0.0, alpha:
         why = f"{n} round{'s' if n != 1 else ''}: too few for a sign test at {alpha:g} to tell (needs >= {min_rounds(alpha)})"
     else:
         why = f"only {agree} of {n} rounds {direction} (a sign test at {alpha:g} needs {need})"
-    return {"rounds": n, "ratios": ratios, "median_ratio": m, "band": band, "noise": {"base": sb, "head": sh},
+    return {"rounds": n, "ratios": ratios, "median_ratio": m, "band": band, "noise": {"base": sb, "head": sh, "ratio": sr},
             "tolerance": tolerance, "agree": agree, "agree_needed": need, "changed": changed,
             "direction": direction if changed else None,
             "verdict": f"changed (head/base {direction})" if changed else "within noise", "why": why}
@@ -369,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ab: {e}", file=sys.stderr)
             return 2
     v = verdict(base_v, head_v, tolerance=args.tolerance / 100)
-    print(f"\nmedian head/base {v['median_ratio']:.4f}; noise band +-{100 * v['band']:.2f}% "
-          f"(own scatter: base {100 * v['noise']['base']:.2f}%, head {100 * v['noise']['head']:.2f}%"
-          + (f"; tolerance {args.tolerance:g}%" if args.tolerance else "") + ")")
+    nz = v["noise"]
+    print(f"\nmedian head/base {v['median_ratio']:.4f}; noise band +-{100 * v['band']:.2f}% (the larger of: "
+          f"the sides' own scatter combined {100 * math.hypot(nz['base'], nz['head']):.2f}% (base "
+          f"{100 * nz['base']:.2f}%, head {100 * nz['head']:.2f}%), the ratios' scatter {100 * nz['ratio']:.2f}%"
+          + (f", tolerance {args.tolerance:g}%" if args.tolerance else "") + ")")
     print(f"verdict: {v['verdict']}: {v['why']}")
     if args.json:
         out = {"base": {"rev": args.base, "commit": sha, "readings": base_v},

@@ -45,6 +45,16 @@ def test_a_shift_smaller_than_the_sides_own_scatter_is_within_noise():
     assert v["agree"] == 5 and not v["changed"] and v["band"] > 0.03 and "<= band" in v["why"]
 
 
+def test_ratios_that_scatter_more_than_the_sides_predict_are_within_noise():
+    base = [100, 100, 100, 90, 108]  # three equal readings on each side: no scatter of either side's own
+    head = [120, 105, 110, 110, 110]
+    v = ab.verdict(base, head)
+    assert v["noise"]["base"] == 0 and v["noise"]["head"] == 0 and v["agree"] == 5
+    # the ratios (1.2, 1.05, 1.1, 1.22, 1.02) scatter by about 11%: a median 10% up is within that
+    assert v["median_ratio"] == pytest.approx(1.1) and v["noise"]["ratio"] == pytest.approx(0.1098, abs=1e-3)
+    assert not v["changed"] and v["band"] == v["noise"]["ratio"]
+
+
 def test_one_disagreeing_round_of_five_is_within_noise():
     base = [100.0] * 5
     head = [120, 120, 120, 120, 99]  # a large shift, but one round says the opposite
@@ -82,8 +92,8 @@ def test_zeros():
     assert v["median_ratio"] == math.inf and v["changed"] and v["direction"] == "higher"
     v = ab.verdict([1.0] * 5, [0.0] * 5)
     assert v["median_ratio"] == 0 and v["changed"] and v["direction"] == "lower"
-    v = ab.verdict([0, 0, 0, 1, 2], [5, 5, 5, 5, 5])  # mostly zero: no scatter around the zero median
-    assert v["noise"]["base"] == 0 and v["median_ratio"] == math.inf and v["changed"]
+    v = ab.verdict([0, 0, 0, 1, 2], [5, 5, 5, 5, 5])  # some rounds divide by zero: the ratios have no scale
+    assert v["noise"]["base"] == 0 and v["median_ratio"] == math.inf and v["band"] == math.inf and not v["changed"]
     v = ab.verdict([0, 1, 0, 2, 3], [1, 1, 1, 1, 1])  # a median of 1 but a 100% scatter: within noise
     assert v["noise"]["base"] == pytest.approx(1.4826) and not v["changed"]
 

@@ -63,8 +63,9 @@ TAIL_LINES = 15  # lines of a failed command's stderr shown
 
 
 def _rel_spread(x: list[float]) -> float:
-    """A side's own noise: its robust standard deviation (MAD_SIGMA x median absolute deviation) relative
-    to its median. 0 when the readings agree; inf when their median is 0 but they do not."""
+    """The scatter of readings (a side's, or the ratios'): their robust standard deviation (MAD_SIGMA x
+    median absolute deviation) relative to their median. 0 when most agree; inf when their median is 0
+    but they do not."""
     med = statistics.median(x)
     mad = statistics.median(abs(v - med) for v in x)
     if mad == 0:

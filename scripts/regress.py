@@ -12,6 +12,8 @@ with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its fl
     python scripts/regress.py                  # small_mixtral, more rounds
     python scripts/regress.py --quick --update # record this run's readings; raise floors they support
     python scripts/regress.py --lower kernel_vs_limit_t1=0.7 --reason "why" [--quick]
+    python scripts/regress.py --quick --measure kernel_vs_limit_t1 --node 'benchmarks/test_kernel_ratios.py::test_kernel[1]' \
+        [--root TREE]                          # one JSON line of the ratios read, judged by nothing (scripts/ab.py)
 
 --update keeps the last readings of every ratio, per CPU, in the file and raises a floor only to what
 the last UPDATE_WINDOW readings of every CPU with readings all support, less the margin (the file's,
@@ -31,23 +33,28 @@ A ratio that crosses at every reading is measured last side by side with the ref
 in a temporary folder, alternating the two builds AB_ROUNDS times: it fails if this build reads more than
 AB_TOLERANCE worse than the reference, or when there is no reference to compare. A busy machine slows both
 builds alike; a regression slows one.
+--measure runs the benchmarks (of the tree at --root, which may be another revision's export: its
+benchmarks/ and its code; only the --node test ids where given) and prints one JSON line of the ratios read,
+by name, for scripts/ab.py --key NAME; it judges nothing and exits 2 when a named ratio was not read.
 Exit status: 0 all pass, 1 a ratio crossed its floor (each is named), 2 the suite itself failed.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ab.py, beside this file
+from ab import export_build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ROOT / "results" / "regression" / "floors.yaml"
@@ -220,16 +227,8 @@ def git(*args: str) -> str:
 
 def reference_build(commit: str, dest: Path) -> str | None:
     """Exports `commit` of this repository into dest and builds its kernel there (the same environment);
-    None when it is ready, else why not."""
-    try:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit],
-                             capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        return f"git archive {commit} failed ({getattr(e, 'stderr', b'') or e!s})"
-    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-        t.extractall(dest, filter="data")
-    b = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, capture_output=True, text=True)
-    return None if b.returncode == 0 else f"building {commit} failed: {b.stderr.strip()[-300:]}"
+    None when it is ready, else why not (scripts/ab.py's export_build)."""
+    return export_build(commit, dest, ROOT)
 
 
 def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[dict]:
@@ -377,6 +376,35 @@ def lower(table: dict, spec: str, reason: str) -> str:
     return f"{name}: {old} -> {new} ({reason})"
 
 
+def measure(names: str, quick: bool, select: str | None, nodes: list[str] | None, root: Path) -> int:
+    """--measure: runs the benchmarks of the tree at `root` (only `nodes` where given) and prints one JSON
+    line of every ratio read, by name, plus the kernel path of each ("paths") and the root; 2 when the
+    suite failed or a ratio in `names` (comma-separated) was not read."""
+    root = root.resolve()
+    if not (root / "benchmarks").is_dir():
+        print(f"regress: --root {root} has no benchmarks/", file=sys.stderr)
+        return 2
+    since = cpu_times()
+    ratios, skipped, rc = run_suite(quick, select, nodes, root=root)
+    state = machine_state(since)
+    if rc not in (0, 5):
+        print(f"regress: the benchmark suite in {root} failed (pytest exit {rc})", file=sys.stderr)
+        return 2
+    got = {r["name"]: r["value"] for r in ratios}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    missing = [n for n in wanted if n not in got]
+    if missing:
+        why = {n: s["reason"] for s in skipped for n in s["ratios"]}
+        print("regress: not measured: " + "; ".join(f"{n}" + (f" (skipped: {why[n]})" if n in why else "")
+                                                     for n in missing)
+              + (f"; read: {', '.join(sorted(got))}" if got else ""), file=sys.stderr)
+        return 2
+    for n in wanted:
+        print(f"regress: {n} = {got[n]:.4g} in {root} ({state})", file=sys.stderr)
+    print(json.dumps({**got, "paths": {r["name"]: r.get("path") for r in ratios}, "root": str(root)}))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the CI subset (tiny model, one Mixtral-size expert)")
@@ -385,8 +413,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reason", help="why a floor is lowered (stored in the file)")
     ap.add_argument("-k", dest="select", help="only the benchmarks pytest -k selects (never with --update)")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--measure", metavar="NAME[,NAME...]",
+                    help="measure only, judge nothing: print one JSON line {ratio: value, ...} of every ratio read "
+                         "(exit 2 when a NAME is not among them); a command for scripts/ab.py --key NAME")
+    ap.add_argument("--node", action="append", metavar="NODE",
+                    help="with --measure: run only this benchmark test node, relative to --root "
+                         "(repeatable; e.g. 'benchmarks/test_kernel_ratios.py::test_kernel[1]')")
+    ap.add_argument("--root", type=Path, help="with --measure: the tree whose benchmarks/ run (default: this one)")
     ap.add_argument("--class", dest="cls", choices=["avx512", "avx2"], help=argparse.SUPPRESS)  # tests only
     args = ap.parse_args(argv)
+    if (args.node or args.root) and not args.measure:
+        ap.error("--node and --root go with --measure")
+    if args.measure:
+        if args.update or args.lower:
+            ap.error("--measure judges and records nothing; do not combine it with --update or --lower")
+        return measure(args.measure, args.quick, args.select, args.node, args.root or ROOT)
     cls = args.cls or cpu_class(cpu_flags())
     mode = "quick" if args.quick else "full"
     data = load_floors()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,33 @@ def test_a_ratio_on_another_kernel_path_fails_without_a_second_reading(regress, 
     assert regress.readings["reruns"] == []  # a path change is not noise: nothing is re-measured
     monkeypatch.setattr(regress, "cpu_name", lambda: "Other CPU")  # no readings of this CPU: nothing to compare
     assert regress.main(["--quick", "--class", "avx512"]) == 0
+
+
+def test_measure_prints_one_json_line_of_the_ratios_and_judges_nothing(regress, capsys, tmp_path):
+    """--measure is scripts/ab.py's command: the ratios of one run (of another tree with --root), no floors."""
+    calls = []
+    real = regress.run_suite
+
+    def spy(quick, select, nodes=None, rounds=None, root=regress.ROOT):
+        calls.append((quick, nodes, root))
+        return real(quick, select, nodes, rounds, regress.ROOT)
+
+    regress.run_suite = spy
+    (tmp_path / "tree" / "benchmarks").mkdir(parents=True)
+    node = "benchmarks/test_x.py::test_k_up"
+    assert regress.main(["--quick", "--measure", "k_up", "--node", node, "--root", str(tmp_path / "tree")]) == 0
+    cap = capsys.readouterr()
+    line = json.loads(cap.out.strip().splitlines()[-1])
+    assert line["k_up"] == 1.0 and line["p_down"] == 0.1 and line["root"] == str((tmp_path / "tree").resolve())
+    assert calls == [(True, [node], (tmp_path / "tree").resolve())] and "k_up = 1 in" in cap.err
+    assert not regress.FLOORS.exists()  # nothing recorded
+    regress.readings["values"] = {"k_up": 0.01}  # far below any floor: still only measured
+    assert regress.main(["--measure", "k_up"]) == 0 and json.loads(capsys.readouterr().out.strip())["k_up"] == 0.01
+    regress.readings["skipped"] = [{"ratios": ["p_down"], "reason": "no llama.cpp"}]
+    assert regress.main(["--measure", "k_up,p_down"]) == 2
+    assert "not measured: p_down (skipped: no llama.cpp)" in capsys.readouterr().err
+    assert regress.main(["--measure", "k_up", "--root", str(tmp_path)]) == 2  # no benchmarks/ there
+    assert "has no benchmarks/" in capsys.readouterr().err
+    for bad in (["--node", node], ["--root", str(tmp_path)], ["--measure", "k_up", "--update"]):
+        with pytest.raises(SystemExit):
+            regress.main(bad)

@@ -41,7 +41,6 @@ def no_data_filter(monkeypatch):
     monkeypatch.delattr(tarfile, "data_filter", raising=False)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: without tarfile.data_filter, gguf-py/../../x is written outside")
 def test_converter_extraction_refuses_traversal_without_data_filter(tmp_path, no_data_filter):
     sdist = _tar(tmp_path / "llama_cpp_python-0.3.36.tar.gz", [
         (TOP + "convert_hf_to_gguf.py", b"# converter\n"), (TOP + "gguf-py/__init__.py", b""),
@@ -65,7 +64,6 @@ UNSAFE = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: the shared safe extraction helper does not exist yet")
 @pytest.mark.parametrize("own_checks", [True, False], ids=["own checks", "data filter where available"])
 @pytest.mark.parametrize("case", list(UNSAFE))
 def test_safe_extract_refuses_members_that_leave_the_destination(tmp_path, monkeypatch, case, own_checks):
@@ -84,7 +82,6 @@ def test_safe_extract_refuses_members_that_leave_the_destination(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest", "outside", "t.tar.gz"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: the shared safe extraction helper does not exist yet")
 def test_safe_extract_own_checks_extract_files_dirs_and_inside_links(tmp_path, no_data_filter):
     from baselines.llama_cpp import safe_tar
 
@@ -96,7 +93,6 @@ def test_safe_extract_own_checks_extract_files_dirs_and_inside_links(tmp_path, n
     assert (dest / "d" / "l").read_text() == "B" and (dest / "h").read_text() == "A"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: the converter's sdist is not checked against a pinned sha256")
 def test_converter_sdist_must_match_the_pinned_sha256(tmp_path, monkeypatch):
     """pip fetches the sdist (its own index hash check untouched); a file that is not the pinned one is
     refused, naming both hashes."""

@@ -107,22 +107,24 @@ def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gg
     """Experts (in place) and attention projections as llama.cpp blocks: from a GGUF file, the on-disk
     cache, or quantized now (and cached). Returns (per-layer attention blocks, facts for info())."""
     t = time.perf_counter()
-    file = None
+    entry, problem = None, None
     if gguf is not None:
         cache, source = fquant.load_gguf_blocks(gguf, cfg, quant), f"gguf:{gguf}"
     elif quant_cache:
-        file = fquant.cache_path(path, quant, None if quant_cache is True else quant_cache)
-        cache = fquant.load_cache(file) or {}
-        source = f"cache:{file}" if cache else "quantized at load"
+        entry = fquant.cache_entry(path, quant, None if quant_cache is True else quant_cache)
+        # verified against its hash, type, checkpoint and these weights' block shapes; else rebuilt
+        cache, problem = fquant.load_cache(entry, fquant.expected_block_shapes(weights, quant))
+        cache = cache or {}
+        source = f"cache:{entry.file}" if cache else "quantized at load"
     else:
         cache, source = {}, "quantized at load"
     n_before = len(cache)
     fquant.quantize_experts(weights.experts, quant, cache, pin=pin)
     attn = fquant.quantize_attention(weights, quant, cache)
-    if file is not None and len(cache) > n_before:
-        fquant.save_cache(file, cache, quant)
+    if entry is not None and len(cache) > n_before:
+        fquant.save_cache(entry, cache)
     k = load_kernels()
-    return attn, {"source": source, "seconds": time.perf_counter() - t,
+    return attn, {"source": source, "cache_rebuilt": problem, "seconds": time.perf_counter() - t,
                   "cpu_mode": k.quant.mode() if k is not None else None,
                   "expert_bytes": cfg.expert_bytes(torch.bfloat16, quant),
                   "attention_bytes_per_layer": cfg.attention_bytes(torch.bfloat16, quant)}

@@ -16,14 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .integrity import check_gguf_file, tensors_sha256, warn_rebuild
 
 QUANT_TYPES = ("q8_0", "q4_0")
 QK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # fp16 scale + 32 int8 / 32 nibbles
 CACHE_VERSION = 1  # bump when the cached content changes meaning
+CACHE_FORMAT = "fiddler-quant"  # the cache files' metadata "format"
 
 
 def check_quant(quant: str | None) -> str | None:
@@ -40,6 +44,11 @@ def weight_bytes(rows: int, cols: int, quant: str | None, dtype: torch.dtype = t
     if quant is None:
         return rows * cols * dtype.itemsize
     return rows * ((cols + QK - 1) // QK) * BLOCK_BYTES[quant]
+
+
+def row_bytes(cols: int, quant: str) -> int:
+    """Block bytes of one row of `cols` weights (padded to whole blocks)."""
+    return (cols + QK - 1) // QK * BLOCK_BYTES[quant]
 
 
 def bits_per_weight(quant: str | None, dtype: torch.dtype = torch.bfloat16) -> float:
@@ -209,33 +218,112 @@ def checkpoint_hash(path: str | Path, memo: str | Path | None = None) -> str:
     return digest
 
 
-def cache_path(path: str | Path, quant: str, cache_dir: str | Path | None = None) -> Path:
+@dataclass(frozen=True)
+class CacheEntry:
+    """A quant cache file and what it must hold: `quant` blocks made from the checkpoint whose full
+    content hash is `checkpoint`."""
+
+    file: Path
+    quant: str
+    checkpoint: str
+
+
+def cache_entry(path: str | Path, quant: str, cache_dir: str | Path | None = None) -> CacheEntry:
     """Where the block bytes of checkpoint `path` at `quant` are cached: keyed by the checkpoint's
     content hash and the quant type."""
     d = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     digest = checkpoint_hash(path, d / "hash_memo.json")
-    return d / f"{digest[:20]}-{quant}-v{CACHE_VERSION}.safetensors"
+    return CacheEntry(d / f"{digest[:20]}-{quant}-v{CACHE_VERSION}.safetensors", quant, digest)
 
 
-def load_cache(file: Path) -> dict[str, torch.Tensor] | None:
-    if not file.is_file():
-        return None
-    from safetensors.torch import load_file
+def cache_path(path: str | Path, quant: str, cache_dir: str | Path | None = None) -> Path:
+    return cache_entry(path, quant, cache_dir).file
 
+
+def expected_block_shapes(weights, quant: str) -> dict[str, tuple[int, int]]:
+    """The cache's tensor names and block shapes for these dense weights: what quantize_experts and
+    quantize_attention make of them."""
+    blocks = lambda w: (w.shape[0], row_bytes(w.shape[1], quant))  # noqa: E731
+    out = {}
+    for l, layer in enumerate(weights.experts):
+        for e, w in enumerate(layer):
+            out.update({f"l{l}.e{e}.w1": blocks(w.w1), f"l{l}.e{e}.w3": blocks(w.w3), f"l{l}.e{e}.w2": blocks(w.w2)})
+    for l, lw in enumerate(weights.layers):
+        out[f"l{l}.qkv"] = (lw.q.shape[0] + lw.k.shape[0] + lw.v.shape[0], row_bytes(lw.q.shape[1], quant))
+        out[f"l{l}.o"] = blocks(lw.o)
+    return out
+
+
+def read_cache_metadata(file: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return f.metadata() or {}
+
+
+def _metadata_problem(meta: dict[str, str], entry: CacheEntry) -> str | None:
+    if meta.get("format") != CACHE_FORMAT or "sha256" not in meta:
+        return "no content hash (written before caches were verified, or not a quant cache)"
+    if meta.get("version") != str(CACHE_VERSION):
+        return f"format version {meta.get('version')}, expected {CACHE_VERSION}"
+    if meta.get("quant") != entry.quant:
+        return f"holds {meta.get('quant')} blocks, expected {entry.quant}"
+    if meta.get("checkpoint") != entry.checkpoint:
+        return f"made from checkpoint {meta.get('checkpoint', '?')[:16]}..., expected {entry.checkpoint[:16]}..."
+    return None
+
+
+def _read_verified(entry: CacheEntry, shapes: dict[str, tuple[int, int]]):
+    """(tensors, None) when the file holds exactly what its entry and `shapes` say, else (None, what is wrong).
+    Metadata and shapes are checked before any tensor is read."""
+    from safetensors import safe_open
+
+    with safe_open(str(entry.file), "pt") as f:
+        meta = f.metadata() or {}
+        problem = _metadata_problem(meta, entry)
+        if problem:
+            return None, problem
+        names = set(f.keys())
+        if names != set(shapes):
+            missing, extra = sorted(set(shapes) - names), sorted(names - set(shapes))
+            return None, f"tensors missing: {missing[:3]}, unexpected: {extra[:3]}"
+        for name in sorted(names):
+            sl = f.get_slice(name)
+            if sl.get_dtype() != "U8" or tuple(sl.get_shape()) != shapes[name]:
+                return None, f"{name} is {sl.get_dtype()} {sl.get_shape()}, expected uint8 {list(shapes[name])}"
+        tensors = {name: f.get_tensor(name) for name in sorted(names)}
+    digest = tensors_sha256(tensors)
+    if digest != meta["sha256"]:
+        return None, f"content sha256 {digest[:16]}..., recorded {meta['sha256'][:16]}...: the file is damaged"
+    return tensors, None
+
+
+def load_cache(entry: CacheEntry, shapes: dict[str, tuple[int, int]]):
+    """(blocks by name, None) from a sound cache file; (None, None) when there is none; (None, what is wrong)
+    with a CacheRebuiltWarning naming the file when it fails a check (the caller quantizes again)."""
+    if not entry.file.is_file():
+        return None, None
     try:
-        return load_file(str(file))
-    except Exception:  # noqa: BLE001 -- a damaged cache file is rebuilt
-        return None
+        tensors, problem = _read_verified(entry, shapes)
+    except Exception as e:  # noqa: BLE001 -- safetensors' errors for a truncated or garbled file
+        tensors, problem = None, f"unreadable ({type(e).__name__}: {e})"
+    if problem:
+        warn_rebuild(entry.file, problem, "quantizing again and rewriting it")
+    return tensors, problem
 
 
-def save_cache(file: Path, tensors: dict[str, torch.Tensor], quant: str) -> None:
-    """Written to a temporary name and renamed, so a crash never leaves half a cache."""
+def save_cache(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
+    """With its metadata and content hash (checked by load_cache); written to a temporary name and renamed,
+    so a crash never leaves half a cache."""
     from safetensors.torch import save_file
 
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(file.name + f".tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"quant": quant})
-    os.replace(tmp, file)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    meta = {"format": CACHE_FORMAT, "version": str(CACHE_VERSION), "quant": entry.quant,
+            "checkpoint": entry.checkpoint, "sha256": tensors_sha256(tensors)}
+    entry.file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.file.with_name(entry.file.name + f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, entry.file)
 
 
 # ------------------------------------------------------------------ experts held as blocks
@@ -253,7 +341,7 @@ def empty_expert_blocks(config, quant: str, device):
     from .weights import ExpertWeights
 
     h, f = config.hidden_size, config.intermediate_size
-    rb = lambda cols: (cols + QK - 1) // QK * BLOCK_BYTES[quant]  # noqa: E731
+    rb = lambda cols: row_bytes(cols, quant)  # noqa: E731
     return ExpertWeights(torch.empty(f, rb(h), dtype=torch.uint8, device=device),
                          torch.empty(f, rb(h), dtype=torch.uint8, device=device),
                          torch.empty(h, rb(f), dtype=torch.uint8, device=device))
@@ -285,8 +373,11 @@ def load_gguf_blocks(path: str | Path, cfg, quant: str) -> dict[str, torch.Tenso
         import gguf
     except ImportError as e:  # a declared dependency; a clear message if an environment lacks it
         raise RuntimeError("reading GGUF files needs the `gguf` package (pip install gguf)") from e
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    check_gguf_file(path)  # a damaged file fails naming itself and what is wrong
+    try:
+        tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    except Exception as e:  # noqa: BLE001 -- what the header check does not cover, still named
+        raise ValueError(f"gguf={path}: unreadable ({type(e).__name__}: {e})") from e
     want = _GGUF_TYPES[quant]
     H, F_, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -303,7 +394,7 @@ def load_gguf_blocks(path: str | Path, cfg, quant: str) -> dict[str, torch.Tenso
             raise ValueError(f"{path}: {name} has block shape {tuple(data.shape)}, expected {shape}")
         return data
 
-    rb = lambda cols: (cols + QK - 1) // QK * BLOCK_BYTES[quant]  # noqa: E731
+    rb = lambda cols: row_bytes(cols, quant)  # noqa: E731
     out: dict[str, torch.Tensor] = {}
     for l in range(cfg.num_layers):
         p = f"blk.{l}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from baselines.llama_cpp import convert
 from baselines.llama_cpp.build_flags import ALWAYS_OFF, cmake_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +81,11 @@ int main(void) {
 
 
 def _ggml_sources(cache: Path, version: str) -> Path:
-    """llama.cpp's ggml/ from llama-cpp-python's sdist (the version installed), cached."""
+    """llama.cpp's ggml/ from llama-cpp-python's sdist (the pinned version), cached."""
     import tarfile
     import tempfile
 
+    from baselines.llama_cpp import safe_tar
     from baselines.llama_cpp.convert import download_sdist
 
     dest = cache / "llama_cpp_ggml_src" / version
@@ -102,7 +104,7 @@ def _ggml_sources(cache: Path, version: str) -> Path:
                 if len(parts) > 4 and parts[1:4] == ("vendor", "llama.cpp", "ggml") and (m.isfile() or m.isdir()):
                     m.name = str(Path(*parts[3:]))
                     members.append(m)
-            tar.extractall(staging, members=members, filter="data")
+            safe_tar.extract(tar, staging, members)  # filter="data" exists only from 3.10.12 / 3.11.4 on
         # the sdist leaves out ggml's pkg-config template, which its CMakeLists configures
         pc = staging / "ggml" / "ggml.pc.in"
         if not pc.exists():
@@ -134,12 +136,12 @@ def _build_backend_init(src: Path, build: Path, args: list[str]) -> Path:
 def test_llama_cpp_built_with_the_chosen_flags_starts_on_haswell():
     """The fixed AVX-512 flag list the README once gave dies with SIGILL in llama_backend_init on an
     (emulated) Haswell; the flags build_flags chooses for a Haswell start there."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     import hashlib
     import os
     import signal
 
-    version = llama_cpp.__version__
+    version = convert.CONVERTER_VERSION  # the pinned sdist (its sha256 is checked); ggml's flags matter here
     cache = Path(os.environ.get("FIDDLER_CACHE", Path.home() / ".cache" / "fiddler"))
     src = _ggml_sources(cache, version)
     old_fixed = cmake_args(SAPPHIRE, "x86_64")  # == the README's former hard-coded CMAKE_ARGS

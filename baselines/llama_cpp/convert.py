@@ -6,17 +6,19 @@ project does not copy llama.cpp's code. So the converter is located, in this ord
 
 1. ``converter_dir`` argument / ``FIDDLER_LLAMA_CPP_CONVERTER`` environment variable: a llama.cpp
    source tree (or any directory holding ``convert_hf_to_gguf.py`` and its siblings);
-2. the per-user cache ``<cache root>/llama_cpp_converter/<llama-cpp-python version>`` where the cache
+2. the per-user cache ``<cache root>/llama_cpp_converter/<CONVERTER_VERSION>`` where the cache
    root is ``$FIDDLER_CACHE`` (the runner's ``cache_dir`` default), else ``~/.cache/fiddler``;
-3. otherwise it is fetched into that cache with ``pip download`` of the sdist that matches the
-   installed llama-cpp-python version, and only the converter files are extracted.
+3. otherwise it is fetched into that cache with ``pip download`` of llama-cpp-python==CONVERTER_VERSION's
+   sdist (pinned: its sha256 must be SDIST_SHA256's), and only the converter files are extracted, with
+   path checks (safe_tar).
 
 ``python -m baselines.llama_cpp.convert --fetch`` does step 3 ahead of time (install step);
 ``python -m baselines.llama_cpp.convert MODEL_DIR --quant bf16`` converts by hand.
 
 Outputs are cached under ``<cache_dir>/llama_cpp/gguf/<content hash>-<quant>.gguf`` where the hash
 covers every file of the checkpoint directory and the llama-cpp-python version (a different
-converter may write a different file).
+converter may write a different file). Each has its sha256 beside it (``<name>.gguf.sha256``, in
+sha256sum's format), checked at every use: a damaged or unrecorded GGUF is converted again.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -32,6 +35,8 @@ import tempfile
 from pathlib import Path
 
 from baselines.base import SystemUnavailable
+from baselines.llama_cpp import safe_tar
+from fiddler.integrity import file_sha256, warn_rebuild
 
 EXTRA_HINT = 'pip install -e ".[llamacpp]" (see README, "llama.cpp baseline", for the CMAKE_ARGS)'
 
@@ -60,6 +65,11 @@ QUANTIZER_TYPES = {
 }
 
 SUPPORTED_QUANTS = CONVERTER_TYPES + tuple(QUANTIZER_TYPES)
+
+#: the llama-cpp-python sdist the converter comes from (the version this project verified), and the sha256
+#: of each sdist it downloads (PyPI's file; pip checks the index's hash as well)
+CONVERTER_VERSION = "0.3.36"
+SDIST_SHA256 = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
 
 _CONVERTER_FILES = ("convert_hf_to_gguf.py",)
 _CONVERTER_DIRS = ("conversion", "gguf-py")  # conversion/ exists from llama.cpp ~b8000 on
@@ -91,7 +101,7 @@ def _is_converter_dir(path: Path) -> bool:
 
 
 def default_converter_dir(version: str | None = None) -> Path:
-    return _user_cache_root() / "llama_cpp_converter" / (version or llama_cpp_python_version())
+    return _user_cache_root() / "llama_cpp_converter" / (version or CONVERTER_VERSION)
 
 
 def fetch_converter(dest: Path, version: str, quiet: bool = True) -> Path:
@@ -111,15 +121,23 @@ def fetch_converter(dest: Path, version: str, quiet: bool = True) -> Path:
                     f"Run `python -m baselines.llama_cpp.convert --fetch` on a machine with network and copy "
                     f"{dest} here, or point FIDDLER_LLAMA_CPP_CONVERTER at a llama.cpp source tree.") from exc
             staging = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
-            _extract_converter(sdist, staging)
-            if not _is_converter_dir(staging):
-                raise SystemUnavailable(f"{sdist.name} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
-            os.replace(staging, dest)
+            try:
+                _extract_converter(sdist, staging)
+                if not _is_converter_dir(staging):
+                    raise SystemUnavailable(f"{sdist.name} holds no vendor/llama.cpp/convert_hf_to_gguf.py")
+                os.replace(staging, dest)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     return dest
 
 
 def download_sdist(version: str, into: Path) -> Path:
-    """llama-cpp-python==version's source distribution (it vendors llama.cpp), downloaded with pip."""
+    """llama-cpp-python==version's source distribution (it vendors llama.cpp), downloaded with pip and
+    checked against SDIST_SHA256 (ValueError naming both hashes when it differs)."""
+    expected = SDIST_SHA256.get(version)
+    if expected is None:
+        raise ValueError(f"no sha256 is pinned for llama-cpp-python=={version}'s sdist (pinned: "
+                         f"{', '.join(SDIST_SHA256)}; baselines/llama_cpp/convert.py SDIST_SHA256)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
            "--disable-pip-version-check", "-d", str(into), f"llama-cpp-python=={version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -128,6 +146,10 @@ def download_sdist(version: str, into: Path) -> Path:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise RuntimeError(f"could not download the llama-cpp-python=={version} source distribution "
                            f"(no network?)\n{tail}")
+    got = file_sha256(sdists[0])
+    if got != expected:
+        raise ValueError(f"{sdists[0].name}: sha256 {got}, expected {expected} (pinned for llama-cpp-python=="
+                         f"{version}); not using it")
     return sdists[0]
 
 
@@ -146,8 +168,7 @@ def _extract_converter(sdist: Path, out: Path) -> None:
                 m = copy.copy(m)
                 m.name = str(Path(*rel))
                 members.append(m)
-        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(out, members=members, **kwargs)
+        safe_tar.extract(tar, out, members)
 
 
 def find_converter(converter_dir: str | os.PathLike | None = None, fetch: bool = True) -> Path:
@@ -159,7 +180,7 @@ def find_converter(converter_dir: str | os.PathLike | None = None, fetch: bool =
             raise SystemUnavailable(
                 f"{path} is not a llama.cpp converter directory (needs convert_hf_to_gguf.py and gguf-py/)")
         return path
-    version = llama_cpp_python_version()
+    version = CONVERTER_VERSION
     dest = default_converter_dir(version)
     if _is_converter_dir(dest):
         return dest
@@ -254,6 +275,33 @@ def quantize(src: Path, out: Path, quant: str, threads: int, pure: bool = False)
         raise GGUFConversionError(f"GGUF quantization to {quant} failed: llama_model_quantize returned {rc} for {src}")
 
 
+def _sha256_record(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".sha256")
+
+
+def _cached_gguf_problem(gguf: Path) -> str | None:
+    """None when the cached GGUF's bytes have the sha256 recorded when it was made, else what is wrong."""
+    try:
+        recorded = _sha256_record(gguf).read_text().split()[0]
+    except (OSError, IndexError):
+        return "no recorded sha256 (cached before GGUFs were verified, or the record was lost)"
+    got = file_sha256(gguf)
+    if got != recorded:
+        return f"sha256 {got[:16]}..., recorded {recorded[:16]}...: the file is damaged"
+    return None
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """A finished GGUF into the cache, with its sha256 beside it. A crash between the two renames leaves a
+    GGUF whose record is missing or stale, which the next use converts again."""
+    digest = file_sha256(tmp)
+    os.replace(tmp, out)
+    record = _sha256_record(out)
+    rtmp = record.with_name(record.name + f".tmp{os.getpid()}")
+    rtmp.write_text(f"{digest}  {out.name}\n")
+    os.replace(rtmp, record)
+
+
 def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.PathLike,
                 converter_dir: str | os.PathLike | None = None, threads: int = 1, pure: bool = False) -> Path:
     """The GGUF of ``model_dir`` in ``quant``, converted (and quantized) once and cached. pure: the
@@ -276,13 +324,17 @@ def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.Pa
     out = out_dir / f"{key}-{quant}{'-pure' if pure else ''}.gguf"
     with FileLock(str(out) + ".lock"):
         if out.is_file():
-            return out
+            problem = _cached_gguf_problem(out)
+            if problem is None:
+                return out
+            warn_rebuild(out, problem, "converting it again")
+            out.unlink()
         if quant in CONVERTER_TYPES and not pure:
             converter = find_converter(converter_dir)
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             try:
                 run_converter(model_dir, tmp, quant, converter)
-                os.replace(tmp, out)
+                _publish(tmp, out)
             finally:
                 tmp.unlink(missing_ok=True)
         else:
@@ -290,7 +342,7 @@ def ensure_gguf(model_dir: str | os.PathLike, quant: str, cache_dir: str | os.Pa
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             try:
                 quantize(src, tmp, quant, threads, pure=pure)
-                os.replace(tmp, out)
+                _publish(tmp, out)
             finally:
                 tmp.unlink(missing_ok=True)
     return out

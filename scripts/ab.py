@@ -50,9 +50,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script: this tree's packages
+from baselines import safe_tar  # noqa: E402
 ROUNDS = 5  # the default: the fewest rounds with which the sign test can say "changed" at SIGN_ALPHA
 SIGN_ALPHA = 0.10  # two-sided: the most a no-change could produce that many rounds on one side by luck
 MAD_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normally distributed readings
@@ -160,30 +163,6 @@ def min_rounds(alpha: float = SIGN_ALPHA) -> int:
 # ---------------------------------------------------------------- exporting and building a revision
 
 
-def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
-    """Extracts every member into dest after checking each, on any Python >= 3.10 (tarfile's filter="data"
-    came only with 3.10.12 / 3.11.4, and is used too where it exists): no absolute name, no '..', nothing
-    but files, folders and links, no member under a link, and every link pointing inside dest."""
-    members, links = tar.getmembers(), set()
-    for m in members:
-        p = PurePosixPath(m.name)
-        if p.is_absolute() or ".." in p.parts or m.name.startswith(("/", "\\")):
-            raise ValueError(f"unsafe path in the archive: {m.name!r}")
-        if any(str(a) in links for a in p.parents):
-            raise ValueError(f"archive member under a link: {m.name!r}")
-        if m.issym() or m.islnk():
-            t = PurePosixPath(m.linkname)
-            # a symlink is relative to its folder, a hard link to the archive's root
-            target = os.path.normpath(os.path.join(str(p.parent) if m.issym() else "", m.linkname))
-            if t.is_absolute() or target == ".." or target.startswith("../"):
-                raise ValueError(f"link pointing outside the tree: {m.name!r} -> {m.linkname!r}")
-            links.add(str(p))
-        elif not (m.isfile() or m.isdir()):
-            raise ValueError(f"not a file, folder or link in the archive: {m.name!r}")
-    kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-    tar.extractall(dest, members, **kw)
-
-
 def resolve_rev(rev: str, repo: Path = ROOT) -> str:
     """REV's full commit id; ValueError with git's words when it names no commit."""
     r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
@@ -213,7 +192,7 @@ def export_build(rev: str, dest: Path, repo: Path = ROOT, build_kernel: bool = T
         return f"git archive {rev} failed ({err.decode(errors='replace').strip() or e!s})"
     try:
         with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-            safe_extract(t, dest)
+            safe_tar.extract(t, dest)  # checked members, on every Python the project allows
     except (ValueError, tarfile.TarError, OSError) as e:
         return f"extracting {rev} failed: {e}"
     return build(dest, rev) if build_kernel else None

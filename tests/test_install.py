@@ -85,7 +85,7 @@ def _ggml_sources(cache: Path, version: str) -> Path:
     import tarfile
     import tempfile
 
-    from baselines.llama_cpp import safe_tar
+    from baselines import safe_tar
     from baselines.llama_cpp.convert import download_sdist
 
     dest = cache / "llama_cpp_ggml_src" / version

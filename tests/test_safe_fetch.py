@@ -35,6 +35,12 @@ def _link(name: str, target: str, hard: bool = False) -> tarfile.TarInfo:
     return info
 
 
+def _fifo(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.FIFOTYPE
+    return info
+
+
 @pytest.fixture
 def no_data_filter(monkeypatch):
     """This Python as one before 3.10.12 / 3.11.4: no tarfile.data_filter, so the project's own checks run."""
@@ -61,13 +67,14 @@ UNSAFE = {
     "hardlink out": [_link("h", "../outside", hard=True)],
     # each link alone points inside; the second resolves through the first to the parent
     "symlink chain": [_link("l1", "."), _link("l2", "l1/..")],
+    "a fifo": [_fifo("p")],  # nothing but files, directories and links
 }
 
 
 @pytest.mark.parametrize("own_checks", [True, False], ids=["own checks", "data filter where available"])
 @pytest.mark.parametrize("case", list(UNSAFE))
 def test_safe_extract_refuses_members_that_leave_the_destination(tmp_path, monkeypatch, case, own_checks):
-    from baselines.llama_cpp import safe_tar
+    from baselines import safe_tar
 
     if own_checks:
         monkeypatch.delattr(tarfile, "data_filter", raising=False)
@@ -83,7 +90,7 @@ def test_safe_extract_refuses_members_that_leave_the_destination(tmp_path, monke
 
 
 def test_safe_extract_own_checks_extract_files_dirs_and_inside_links(tmp_path, no_data_filter):
-    from baselines.llama_cpp import safe_tar
+    from baselines import safe_tar
 
     archive = _tar(tmp_path / "t.tar.gz", [("d/a.txt", b"A"), ("d/e/b.txt", b"B"), _link("d/l", "e/b.txt"),
                                            _link("h", "d/a.txt", hard=True)])

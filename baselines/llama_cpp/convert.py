@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from baselines.base import SystemUnavailable
-from baselines.llama_cpp import safe_tar
+from baselines import safe_tar
 from fiddler.integrity import file_sha256, warn_rebuild
 
 EXTRA_HINT = 'pip install -e ".[llamacpp]" (see README, "llama.cpp baseline", for the CMAKE_ARGS)'

@@ -6,7 +6,8 @@
 #   3. the project with its dev and offloading (HQQ) extras (this compiles the Fiddler CPU kernel);
 #   4. the llamacpp extra, with llama.cpp built for the instruction sets this CPU has (read by the
 #      kernel's CPUID detection: baselines/llama_cpp/build_flags.py), never its AMX path, plus CUDA
-#      where an NVIDIA GPU answers; $CMAKE_ARGS, if set, is used as given;
+#      where an NVIDIA GPU answers; $CMAKE_ARGS, if set, is used as given; the wheel is kept under
+#      ~/.cache/fiddler/wheels (or $LLAMACPP_WHEELS; empty: not kept), keyed by those flags;
 #   5. llama.cpp's HF->GGUF converter.
 # Then activate the environment:  . .venv/bin/activate
 set -euo pipefail
@@ -52,8 +53,33 @@ if [ -z "${CMAKE_ARGS:-}" ]; then
 fi
 # the llamacpp extra's requirements, as pyproject.toml lists them
 LLAMACPP_REQS=$(python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['llamacpp']))")
-step "llama-cpp-python for this CPU: CMAKE_ARGS=\"$CMAKE_ARGS\" (compiles llama.cpp: minutes)"
-echo "$LLAMACPP_REQS" | CMAKE_ARGS="$CMAKE_ARGS" xargs -d '\n' pip install --no-cache-dir
+# pip's own wheel cache ignores CMAKE_ARGS (a wheel built for another CPU's flags would be reused and
+# die with SIGILL), so the wheel is kept in a cache of our own, keyed by everything the build depends on:
+# the requirements, CMAKE_ARGS, the compiler and this Python. A second venv or a fresh clone on the same
+# machine then installs it in seconds instead of compiling for minutes. LLAMACPP_WHEELS="" disables it.
+LLAMACPP_WHEELS=${LLAMACPP_WHEELS-${FIDDLER_CACHE:-$HOME/.cache/fiddler}/wheels}
+KEY=$(printf '%s\n' "$LLAMACPP_REQS" "$CMAKE_ARGS" "$(${CXX:-c++} --version 2>/dev/null | head -1)" \
+  "$(python -c 'import sys, sysconfig; print(sys.version, sysconfig.get_platform())')" | sha256sum | cut -c1-16)
+LLAMACPP_SPEC=$(echo "$LLAMACPP_REQS" | grep '^llama-cpp-python')
+OTHER_REQS=$(echo "$LLAMACPP_REQS" | grep -v '^llama-cpp-python' || true)
+WHEEL_DIR="$LLAMACPP_WHEELS/llama-cpp-python-$KEY"
+if [ -n "$LLAMACPP_WHEELS" ] && ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  step "llama-cpp-python for this CPU: the wheel built before for CMAKE_ARGS=\"$CMAKE_ARGS\" ($WHEEL_DIR)"
+elif [ -n "$LLAMACPP_WHEELS" ]; then
+  step "llama-cpp-python for this CPU: CMAKE_ARGS=\"$CMAKE_ARGS\" (compiles llama.cpp: minutes; kept in $WHEEL_DIR)"
+  mkdir -p "$LLAMACPP_WHEELS"
+  tmp=$(mktemp -d "$LLAMACPP_WHEELS/.building-XXXXXX")
+  CMAKE_ARGS="$CMAKE_ARGS" pip wheel --no-cache-dir --no-deps -w "$tmp" "$LLAMACPP_SPEC"
+  rm -rf "$WHEEL_DIR" && mv "$tmp" "$WHEEL_DIR"  # a rename in one folder: the wheel is whole, or not there
+fi
+if [ -n "$LLAMACPP_WHEELS" ]; then
+  # the wheel and its dependencies (from the index, as usual), then the extra's other requirements
+  pip install "$WHEEL_DIR"/llama_cpp_python-*.whl
+  [ -z "$OTHER_REQS" ] || echo "$OTHER_REQS" | xargs -d '\n' pip install
+else
+  step "llama-cpp-python for this CPU: CMAKE_ARGS=\"$CMAKE_ARGS\" (compiles llama.cpp: minutes)"
+  echo "$LLAMACPP_REQS" | CMAKE_ARGS="$CMAKE_ARGS" xargs -d '\n' pip install --no-cache-dir
+fi
 
 step "llama.cpp's HF->GGUF converter"
 python -m baselines.llama_cpp.convert --fetch

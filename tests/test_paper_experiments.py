@@ -107,8 +107,9 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
     stage = tmp_path / "a"
     for n, text in files.items():
         (stage / n).write_text(text)
+    staged = sorted(p.name for p in stage.iterdir())
     mod.publish(stage, out, keep_validation=False)
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in stage.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == staged
     assert json.dumps(sorted(files)) and not (out / "stale.md").exists()
 
 
@@ -136,8 +137,6 @@ def test_beyond_the_paper_rows_pair_each_model_card_and_weight_type():
     assert text.startswith("# Beyond the paper") and "SIMULATED" in text and csv.count("\n") == 1 + 5  # header + one row per group
 
 
-@pytest.mark.xfail(strict=True, reason="publish unlinked --out's files and copied the new ones in one by one: "
-                                       "interrupted, --out was a mix of the two runs")
 def test_publish_puts_the_staged_directory_in_place_by_a_rename(tmp_path):
     mod = _reproduce()
     out = tmp_path / "out"
@@ -152,6 +151,26 @@ def test_publish_puts_the_staged_directory_in_place_by_a_rename(tmp_path):
     assert out.stat().st_ino == staged  # the staged directory itself, so never a mix of old and new files
     assert [p.name for p in out.iterdir()] == ["summary.md"] and (out / "summary.md").read_text() == "this run's\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the earlier one removed, nothing left beside it
+
+
+def test_publish_keeps_the_earlier_validation_when_validation_is_skipped(tmp_path):
+    mod = _reproduce()
+    out, stage = tmp_path / "out", tmp_path / ".out.new"
+    out.mkdir()
+    stage.mkdir()
+    (out / "validation.md").write_text("an earlier validation\n")
+    mod.publish(stage, out, keep_validation=True)
+    assert (out / "validation.md").read_text() == "an earlier validation\n"
+
+
+def test_an_out_that_holds_directories_is_refused_before_anything_runs(tmp_path, capsys):
+    """--out is replaced as a whole: `--out results` would have removed results/reference with it."""
+    out = tmp_path / "results"
+    (out / "reference").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        _reproduce().main(["--out", str(out)])
+    assert exc.value.code == 2 and "holds directories (reference)" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["results"] and (out / "reference").is_dir()
 
 
 # ------------------------------------------------------------------------------------------ signals
@@ -206,8 +225,6 @@ def _files(root: Path) -> dict[str, bytes | None]:
 
 
 @pytest.mark.realtime
-@pytest.mark.xfail(strict=True, reason="SIGINT waited for every queued sweep (minutes), then a traceback; SIGTERM "
-                                       "orphaned the run.py children and left the temporary folder")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_reproduce_paper_and_its_children_and_leaves_out_as_it_was(tmp_path, signum):
     results = tmp_path / "results"

@@ -76,8 +76,18 @@ def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     if conf.run.isolation is Isolation.inline and _limits(conf):
         raise ConfigError(f"run.isolation=inline cannot enforce {', '.join(_limits(conf))}: limits need a child "
                           f"process; allowed: run.isolation=auto or process, or no limit")
+    _check_adapter(conf.system.adapter)
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return conf, resolved
+
+
+def _check_adapter(spec: str) -> None:
+    """system.adapter names a SystemAdapter class (ConfigError otherwise), in either mode: simulate does not
+    load it, but a value that could never run is refused the same way everywhere."""
+    try:
+        load_adapter_class(spec)
+    except SystemUnavailable:  # its module lacks a dependency here: recorded as `skipped` when the job loads it
+        pass
 
 
 def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import inspect
 import json
 import time
 import traceback
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from baselines.base import (GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig, SystemUnavailable,
-                            one_line)
+from baselines.base import (ConfigError, GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
+                            SystemUnavailable, one_line)
 from runners import measure, provenance, records
 from runners.decode_bound import decode_bound, environment_limit
 from runners.workloads import Point, prompt_for
@@ -42,13 +43,33 @@ class Job:
         return self.config["system"]
 
 
+ADAPTER_ALLOWED = "allowed: module:Class naming a concrete subclass of baselines.base.SystemAdapter " \
+                  "(as in conf/system/*.yaml)"
+
+
 def load_adapter_class(spec: str) -> type[SystemAdapter]:
+    """The SystemAdapter class `module:Class` names. Anything else is a ConfigError naming the key:
+    `system.adapter=builtins:print` was imported and called with the system's options. A module that
+    exists but lacks a dependency (an extra not installed) stays SystemUnavailable: a `skipped` record."""
     module_name, _, class_name = spec.partition(":")
+    key = f"system.adapter={spec!r}"
+    if not all(part.isidentifier() for part in module_name.split(".")) or not class_name.isidentifier():
+        raise ConfigError(f"{key} is not module:Class; {ADAPTER_ALLOWED}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        if exc.name and (module_name + ".").startswith(exc.name + "."):  # the module named, or a package above it
+            raise ConfigError(f"{key}: there is no module {exc.name}; {ADAPTER_ALLOWED}") from None
         raise SystemUnavailable(f"cannot import adapter module {module_name} ({exc})") from exc
-    return getattr(module, class_name)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"{key}: module {module_name} has no {class_name}; {ADAPTER_ALLOWED}")
+    if not isinstance(cls, type):
+        raise ConfigError(f"{key} is a {type(cls).__name__}, not a class; {ADAPTER_ALLOWED}")
+    if not issubclass(cls, SystemAdapter) or inspect.isabstract(cls):
+        what = "abstract" if issubclass(cls, SystemAdapter) else "not a SystemAdapter subclass"
+        raise ConfigError(f"{key} is {what}; {ADAPTER_ALLOWED}")
+    return cls
 
 
 def make_adapter(job: Job) -> SystemAdapter:

@@ -11,7 +11,10 @@ scratch directory with a fresh index, so earlier records never leak in; up to `-
 2, or the cores there are) run side by side. The outputs are a function of
 the records only (runners/paper.py): no dates, paths or versions, fixed seeds, PNGs without metadata;
 two runs give byte-identical files, and the committed results/paper/ is exactly what this writes.
-Progress goes to stderr; the exit status is 1 when a sweep or the validation failed.
+Progress goes to stderr; the exit status is 1 when a sweep or the validation failed. --out is written
+beside itself and renamed into place when everything is done: it is the earlier directory or the new one,
+never a mix. SIGINT or SIGTERM stops every child process (its whole process group), removes the temporary
+directories, leaves --out as it was and exits 130 or 143.
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,23 +111,153 @@ BEYOND = (
 )
 
 
-def run_sweep(sweep: Sweep, work: Path, reuse: bool = False, quiet: bool = False) -> tuple[list[dict], int]:
-    """Runs the sweep into work/<name> with its own index; returns its records and run.py's exit status.
-    Its tables go to work/<name>.log; its progress bars to stderr unless `quiet` (sweeps run side by side)."""
-    out = work / sweep.name
-    if reuse:
-        return collect([out]), 0
-    cmd = [sys.executable, "run.py", "-m", *sweep.overrides, f"hydra.sweep.dir={out}",
+def sweep_command(sweep: Sweep, work: Path, quiet: bool) -> list[str]:
+    """`run.py -m` for the sweep into work/<name> with its own index; no progress bars when `quiet`
+    (sweeps side by side)."""
+    cmd = [sys.executable, "run.py", "-m", *sweep.overrides, f"hydra.sweep.dir={work / sweep.name}",
            f"run.index_path={work / (sweep.name + '.index.jsonl')}", "run.resume=false"]
-    if quiet:
-        cmd.append("run.progress=false")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(work / f"{sweep.name}.log", "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=log if quiet else sys.stderr, env=env).returncode
-    recs = collect([out]) if out.exists() else []
-    return recs, rc
+    return cmd + (["run.progress=false"] if quiet else [])
+
+
+def sweep_records(sweep: Sweep, work: Path) -> list[dict]:
+    out = work / sweep.name
+    return collect([out]) if out.exists() else []
+
+
+# ------------------------------------------------------------------------------------------ signals, children
+# How long children get after SIGTERM before SIGKILL. run.py records the configuration it was measuring as
+# `interrupted`, writes its table and exits, in well under a second; a run.py still importing dies at once.
+STOP_GRACE_S = 4.0
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM (a BaseException, so that no `except Exception` on the way out swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """SIGINT and SIGTERM raise Interrupted in the main thread, except inside `deferred()`, which holds the
+    signal until it ends: a child being started is registered before the stop comes (so it is stopped too),
+    --out is never left between its two renames, and clean-up is not cut short. The first signal decides;
+    later ones are ignored while the run stops."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.depth = 0
+        self.raised = False
+
+    def install(self) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, _frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            if self.depth == 0:
+                self._raise()
+
+    def _raise(self) -> None:
+        self.raised = True
+        raise Interrupted(self.signum)
+
+    @contextmanager
+    def deferred(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0 and self.signum is not None and not self.raised:
+                self._raise()
+
+
+class Children:
+    """The child processes running now. Each leads a process group of its own, so that stopping it reaches
+    its whole tree: `run.py -m` and the isolation children it starts."""
+
+    def __init__(self, signals: Signals):
+        self.signals = signals
+        self.running: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
+        with self.signals.deferred():
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    start_new_session=True, **kw)
+            self.running.append(proc)
+        return proc
+
+    def reap(self) -> list[subprocess.Popen]:
+        """The children that have exited since the last call."""
+        done = [p for p in self.running if p.poll() is not None]
+        self.running = [p for p in self.running if p not in done]
+        return done
+
+    def stop(self) -> None:
+        """SIGTERM to every group, SIGKILL to whatever is left STOP_GRACE_S later; every child reaped."""
+        for proc in self.running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.running:
+            _signal_group(proc, signal.SIGKILL)  # also what a leader that exited left behind in its group
+            proc.wait()
+        self.running = []
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass  # the whole group has exited
+
+
+@dataclass
+class Task:
+    """One child process of the run: a sweep or the validation."""
+
+    what: str
+    cmd: list[str]
+    log: Path | None = None  # its stdout goes here (and its stderr when `quiet`); else to this process's
+    quiet: bool = False
+
+    def start(self, children: Children) -> subprocess.Popen:
+        if self.log is None:
+            return children.start(self.cmd)
+        with open(self.log, "a") as log:
+            log.write(f"$ {' '.join(self.cmd)}\n")
+            log.flush()
+            return children.start(self.cmd, stdout=log, stderr=log if self.quiet else None)
+
+
+def run_tasks(tasks: list[Task], jobs: int, children: Children, done) -> dict[str, int]:
+    """Runs the tasks, up to `jobs` at once, from this (the main) thread, so that a signal stops it at
+    once; calls done(what) as each ends and returns {what: exit status}."""
+    pending, running, status = list(tasks), {}, {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            task = pending.pop(0)
+            print(f"      started: {task.what} ({_elapsed()} s)", file=sys.stderr, flush=True)
+            running[task.start(children)] = task
+        for proc in children.reap():
+            task = running.pop(proc)
+            status[task.what] = proc.returncode
+            done(task.what)
+        time.sleep(0.2)
+    return status
+
+
+_START = time.perf_counter()
+
+
+def _elapsed() -> str:
+    return f"{time.perf_counter() - _START:.0f}"
 
 
 def _progress(step: int, total: int, text: str) -> None:
@@ -382,10 +516,12 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "results" / "paper"), help="output directory (default: %(default)s)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "paper"),
+                    help="output directory, replaced as a whole when the run completes (default: %(default)s)")
     ap.add_argument("--work", help="scratch directory for the sweeps' records (default: a temporary one, removed)")
     ap.add_argument("--skip-ablations", action="store_true")
-    ap.add_argument("--skip-validation", action="store_true")
+    ap.add_argument("--skip-validation", action="store_true",
+                    help="no validation; an earlier validation.md in --out is kept")
     ap.add_argument("--skip-beyond", action="store_true", help="skip the beyond-the-paper rows (families, Q4_0)")
     ap.add_argument("--validate-host", action="store_true",
                     help="validation (1) also executes small_mixtral on this host now (measured: not byte-identical)")
@@ -396,97 +532,163 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.from_work and not args.work:
         ap.error("--from-work needs --work DIR")
-    out = Path(args.out)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="reproduce_paper_"))
-    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out).resolve()  # a link to a directory: the directory is what gets replaced
+    problem = out_problem(out)
+    if problem:
+        ap.error(problem)
+    signals = Signals()
+    signals.install()
+    published = False
+    try:
+        with scratch(args.work, signals) as work, staging_beside(out, signals) as staging, \
+                running_children(signals) as children:
+            failed = reproduce(args, work, staging, children)
+            with signals.deferred():  # --out is the old directory or the new one, never neither
+                publish(staging, out, keep_validation=args.skip_validation)
+                published = True
+        print(f"done in {_elapsed()} s: {out}", file=sys.stderr)
+        for f in failed:
+            print(f"FAILED: {f}", file=sys.stderr)
+        return 1 if failed else 0
+    except Interrupted as exc:
+        print(f"reproduce_paper: interrupted by {exc}: every child process was stopped; {out} "
+              f"{'was written in full' if published else 'is as it was'}", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def reproduce(args, work: Path, staging: Path, children: Children) -> list[str]:
+    """Runs the sweeps and the validation and writes every output file into `staging`; returns what failed."""
     abl = [] if args.skip_ablations else ablations()
     beyond = () if args.skip_beyond else BEYOND
-    total = len(EXPERIMENTS) + len(beyond) + len(abl) + (0 if args.skip_ablations else 1) + (0 if args.skip_validation else 1) + 1
-    failed: list[str] = []
-    start = time.perf_counter()
-    try:
-        sweeps = [Sweep(exp, (f"+experiment={exp}",), f"experiment {exp} (python run.py -m +experiment={exp})")
-                  for exp in EXPERIMENTS]
-        sweeps += [Sweep(sw.name, sw.overrides, f"beyond the paper: {sw.what}") for sw in beyond]
-        sweeps += [Sweep(ab.sweep.name, ab.sweep.overrides, f"ablation {ab.name}") for ab in abl]
-        if not args.skip_ablations:
-            sweeps.append(Sweep(REUSE_SWEEP.name, REUSE_SWEEP.overrides,
-                                "ablation reuse (the routing's temporal-reuse parameter, every system)"))
-        staging = Path(tempfile.mkdtemp(prefix="paper_out_", dir=work))
-        validation_ok: list[bool] = []
+    sweeps = [Sweep(exp, (f"+experiment={exp}",), f"experiment {exp} (python run.py -m +experiment={exp})")
+              for exp in EXPERIMENTS]
+    sweeps += [Sweep(sw.name, sw.overrides, f"beyond the paper: {sw.what}") for sw in beyond]
+    sweeps += [Sweep(ab.sweep.name, ab.sweep.overrides, f"ablation {ab.name}") for ab in abl]
+    if not args.skip_ablations:
+        sweeps.append(Sweep(REUSE_SWEEP.name, REUSE_SWEEP.overrides,
+                            "ablation reuse (the routing's temporal-reuse parameter, every system)"))
+    live = ", live host check" if args.validate_host else ""
+    validation = Task(f"validation (python -m runners.validate_sim{live})",
+                      validation_command(staging / "validation.md", args.validate_host))
+    total = len(sweeps) + (0 if args.skip_validation else 1) + 1
+    counter = iter(range(1, total + 1))
 
-        def validate() -> None:
-            validation_ok.append(write_validation(staging / "validation.md", args.validate_host))
+    def done(what: str) -> None:
+        _progress(next(counter), total, f"{what}: done ({_elapsed()} s)")
 
-        # independent simulations, so up to --jobs at once (a live host check runs alone, after them)
-        def sweep_task(sw: Sweep):
-            print(f"      started: {sw.what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-            return run_sweep(sw, work, args.from_work, quiet=args.jobs > 1)
-
-        tasks = [(sw.what, (lambda sw=sw: sweep_task(sw))) for sw in sweeps]
-        if not args.skip_validation and not args.validate_host:
-            tasks.append(("validation (python -m runners.validate_sim)", validate))
-        results: dict[str, tuple[list[dict], int]] = {}
-        counter = iter(range(1, total + 1))
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = {}
-            for what, fn in tasks:
-                futures[pool.submit(fn)] = what
-            for fut in as_completed(futures):
-                value = fut.result()
-                _progress(next(counter), total, f"{futures[fut]}: done ({time.perf_counter() - start:.0f} s)")
-                if value is not None:
-                    results[futures[fut]] = value
-        if not args.skip_validation and args.validate_host:
-            _progress(next(counter), total, "validation (python -m runners.validate_sim, live host check)")
-            validate()
-        step = total - 1
-        recs, beyond_recs = [], []
-        ablation_recs = {}
-        for sw in sweeps:
-            got, rc = results[sw.what]
-            if rc != 0:
-                failed.append(f"{sw.name}: run.py exited {rc} (its log is {sw.name}.log in --work DIR)")
-            if sw.name in EXPERIMENTS:
-                recs += got
-            elif sw.name.startswith("beyond_"):
-                beyond_recs += got
-            else:
-                ablation_recs[sw.name.removeprefix("ablation_")] = got
-        if validation_ok and not validation_ok[0]:
-            failed.append("validation: a bound was not met (named above and in validation.md; every file was written)")
-        step += 1
-        _progress(step, total, f"tables and plots -> {out}")
-        files = write_outputs(recs, ablation_recs, staging, beyond_recs)
-        for name, text in files.items():
-            atomic_write_text(staging / name, text if text.endswith("\n") else text + "\n")
-        publish(staging, out, keep_validation=args.skip_validation)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
-    print(f"done in {time.perf_counter() - start:.0f} s: {out}", file=sys.stderr)
-    for f in failed:
-        print(f"FAILED: {f}", file=sys.stderr)
-    return 1 if failed else 0
+    quiet = args.jobs > 1
+    # independent simulations, so up to --jobs at once (a live host check runs alone, after them)
+    tasks = [] if args.from_work else \
+        [Task(sw.what, sweep_command(sw, work, quiet), work / f"{sw.name}.log", quiet) for sw in sweeps]
+    if not args.skip_validation and not args.validate_host:
+        tasks.append(validation)
+    status = run_tasks(tasks, max(1, args.jobs), children, done)
+    if not args.skip_validation and args.validate_host:
+        status.update(run_tasks([validation], 1, children, done))
+    failed = [f"{sw.name}: run.py exited {status[sw.what]} (its log is {sw.name}.log in --work DIR)"
+              for sw in sweeps if status.get(sw.what, 0) != 0]
+    if status.get(validation.what, 0) != 0:
+        failed.append("validation: a bound was not met (named above and in validation.md; every file was written)")
+    recs, beyond_recs, ablation_recs = [], [], {}
+    for sw in sweeps:
+        got = sweep_records(sw, work)
+        if sw.name in EXPERIMENTS:
+            recs += got
+        elif sw.name.startswith("beyond_"):
+            beyond_recs += got
+        else:
+            ablation_recs[sw.name.removeprefix("ablation_")] = got
+    _progress(total, total, f"tables and plots -> {args.out}")
+    files = write_outputs(recs, ablation_recs, staging, beyond_recs)
+    for name, text in files.items():
+        atomic_write_text(staging / name, text if text.endswith("\n") else text + "\n")
+    return failed
 
 
-def write_validation(path: Path, live_host: bool) -> bool:
+def validation_command(path: Path, live_host: bool) -> list[str]:
     """The simulator's validation (1)-(3): `python -m runners.validate_sim`. Without `live_host`, check (1)
     uses the committed execute records of this host class (deterministic); with it, small_mixtral is also
-    executed here now (measured, so validation.md then differs from run to run). True when it passed."""
-    cmd = [sys.executable, "-m", "runners.validate_sim", "--out", str(path)] + ([] if live_host else ["--no-host"])
-    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode == 0
+    executed here now (measured, so validation.md then differs from run to run). It exits 0 when it passed."""
+    return [sys.executable, "-m", "runners.validate_sim", "--out", str(path)] + ([] if live_host else ["--no-host"])
+
+
+# ------------------------------------------------------------------------------------------ directories
+def out_problem(out: Path) -> str | None:
+    """Why --out cannot be used, if it cannot: it is replaced as a whole, so an existing one must be a
+    directory of files (an earlier run's), not one that holds other directories."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"--out {out} is not a directory"
+    inner = sorted(p.name for p in out.iterdir() if p.is_dir())
+    if inner:
+        return (f"--out {out} holds directories ({', '.join(inner)}), and it is replaced as a whole; "
+                f"allowed: a new directory or an earlier run's output")
+    return None
+
+
+@contextmanager
+def scratch(work: str | None, signals: Signals):
+    """--work DIR, or a temporary directory that is removed at the end, however the run ends."""
+    if work:
+        Path(work).mkdir(parents=True, exist_ok=True)
+        yield Path(work)
+        return
+    with _temporary_dir(signals, prefix="reproduce_paper_") as path:
+        yield path
+
+
+@contextmanager
+def staging_beside(out: Path, signals: Signals):
+    """A new directory beside --out (the same file system, so it can be renamed into place), removed
+    at the end unless it was published."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _temporary_dir(signals, prefix=f".{out.name}.new-", dir=out.parent) as path:
+        yield path
+
+
+@contextmanager
+def _temporary_dir(signals: Signals, **where):
+    path = None
+    try:
+        with signals.deferred():  # a signal now comes after `path` is set, so the directory is removed
+            path = Path(tempfile.mkdtemp(**where))
+        yield path
+    finally:
+        if path is not None:
+            with signals.deferred():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def running_children(signals: Signals):
+    """Children whose process groups are stopped and reaped on the way out, however the run ends."""
+    children = Children(signals)
+    try:
+        yield children
+    finally:
+        with signals.deferred():
+            children.stop()
 
 
 def publish(staging: Path, out: Path, keep_validation: bool) -> None:
-    """Make `out` hold exactly the files written now (stale files of an earlier layout removed)."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = {p.name for p in staging.iterdir() if p.is_file()}
-    for p in out.iterdir():
-        if p.is_file() and p.name not in written and not (keep_validation and p.name == "validation.md"):
-            p.unlink()
-    for name in sorted(written):
-        shutil.copyfile(staging / name, out / name)
+    """Put `staging` in the place of `out` by renames, so that `out` is the earlier directory or the new one,
+    never a mix (stale files of an earlier layout go with the earlier directory). The earlier one is moved
+    aside first and removed once the new one is in place."""
+    kept = out / "validation.md"
+    if keep_validation and kept.is_file() and not (staging / "validation.md").exists():
+        shutil.copyfile(kept, staging / "validation.md")
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, aside)  # replaces the empty directory
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 if __name__ == "__main__":

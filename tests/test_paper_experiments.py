@@ -1,14 +1,21 @@
 """The paper experiments (conf/experiment/paper_*.yaml) and scripts/reproduce_paper.py's outputs:
 every configuration composes in simulate mode on the paper's four machines, `run.py -m +experiment=...`
-runs in a subprocess and labels its tables simulated, and the outputs are a function of the records."""
+runs in a subprocess and labels its tables simulated, the outputs are a function of the records, --out
+is replaced by one rename, and SIGINT/SIGTERM stop the script and its children and leave --out as it was."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -100,8 +107,9 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
     stage = tmp_path / "a"
     for n, text in files.items():
         (stage / n).write_text(text)
+    staged = sorted(p.name for p in stage.iterdir())
     mod.publish(stage, out, keep_validation=False)
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in stage.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == staged
     assert json.dumps(sorted(files)) and not (out / "stale.md").exists()
 
 
@@ -127,3 +135,143 @@ def test_beyond_the_paper_rows_pair_each_model_card_and_weight_type():
     assert "| 3.00x |" in lines[("m", "rtx3060", "fiddler", "q4_0")]  # paired with llama.cpp at q4_0, not bf16
     assert "0/1" in lines[("big", "rtx3060", "llama_cpp", "bf16")] and "does not fit" in text
     assert text.startswith("# Beyond the paper") and "SIMULATED" in text and csv.count("\n") == 1 + 5  # header + one row per group
+
+
+def test_publish_puts_the_staged_directory_in_place_by_a_rename(tmp_path):
+    mod = _reproduce()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.md").write_text("an earlier run's\n")
+    (out / "stale.md").write_text("from an older layout\n")
+    stage = tmp_path / ".out.new"
+    stage.mkdir()
+    (stage / "summary.md").write_text("this run's\n")
+    staged = stage.stat().st_ino
+    mod.publish(stage, out, keep_validation=False)
+    assert out.stat().st_ino == staged  # the staged directory itself, so never a mix of old and new files
+    assert [p.name for p in out.iterdir()] == ["summary.md"] and (out / "summary.md").read_text() == "this run's\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the earlier one removed, nothing left beside it
+
+
+def test_publish_keeps_the_earlier_validation_when_validation_is_skipped(tmp_path):
+    mod = _reproduce()
+    out, stage = tmp_path / "out", tmp_path / ".out.new"
+    out.mkdir()
+    stage.mkdir()
+    (out / "validation.md").write_text("an earlier validation\n")
+    mod.publish(stage, out, keep_validation=True)
+    assert (out / "validation.md").read_text() == "an earlier validation\n"
+
+
+def test_an_out_that_holds_directories_is_refused_before_anything_runs(tmp_path, capsys):
+    """--out is replaced as a whole: `--out results` would have removed results/reference with it."""
+    out = tmp_path / "results"
+    (out / "reference").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        _reproduce().main(["--out", str(out)])
+    assert exc.value.code == 2 and "holds directories (reference)" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["results"] and (out / "reference").is_dir()
+
+
+# ------------------------------------------------------------------------------------------ signals
+# The run's sweeps take ~780 s of CPU (13 minutes on the shared 2-core machine this was written on), so with
+# --jobs 2, 20 s in, it is still running them on a machine 5x faster; on one 5x slower the first two have
+# started by then (or are waited for).
+SIGNAL_AT_S = 20
+EXIT_WITHIN_S = 10  # its shutdown waits STOP_GRACE_S (4 s) at most, then kills what is left
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _is_sweep(p: psutil.Process) -> bool:
+    try:
+        return "run.py" in p.cmdline()
+    except psutil.Error:
+        return False
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline()[1:4])}"
+    except psutil.Error:
+        return str(p.pid)
+
+
+def _in_groups(groups: set[int]) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in groups and _alive(p):
+                found.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return found
+
+
+def _files(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_reproduce_paper_and_its_children_and_leaves_out_as_it_was(tmp_path, signum):
+    results = tmp_path / "results"
+    out = results / "paper"
+    out.mkdir(parents=True)
+    (out / "summary.md").write_text("an earlier run's\n")
+    (out / "stale.md").write_text("from an older layout\n")
+    before = _files(results)
+    tmp = tmp_path / "tmp"  # where its scratch directory goes
+    tmp.mkdir()
+    stderr = tmp_path / "stderr.txt"
+    start = time.monotonic()
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "scripts/reproduce_paper.py", "--out", str(out), "--jobs", "2"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
+    seen: dict[int, psutil.Process] = {}  # every descendant it had, and their process groups
+    groups: set[int] = set()
+    try:
+        # until 20 s in, and until a sweep has started (seconds; more on a slow machine)
+        while time.monotonic() < start + SIGNAL_AT_S or not any(_is_sweep(p) for p in seen.values()):
+            assert proc.poll() is None and time.monotonic() - start < 120, stderr.read_text()[-3000:]
+            for p in _descendants(proc.pid):
+                with contextlib.suppress(psutil.Error, ProcessLookupError):
+                    groups.add(os.getpgid(p.pid))
+                    seen.setdefault(p.pid, p)
+            time.sleep(0.2)
+        groups.discard(os.getpgrp())
+        assert proc.poll() is None, "it finished before the signal"
+        proc.send_signal(signum)
+        sent = time.monotonic()
+        proc.wait(timeout=3 * EXIT_WITHIN_S)
+        took = time.monotonic() - sent
+    finally:  # whatever happened, nothing of it keeps running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        alive = [p for p in seen.values() if _alive(p)] + [p for p in _in_groups(groups) if p.pid not in seen]
+        survivors = [_describe(p) for p in alive]
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    assert not survivors, f"child processes outlived it: {survivors}"
+    assert not list(tmp.iterdir())  # its scratch directory removed
+    assert _files(results) == before  # --out untouched, nothing left beside it
+    assert took < EXIT_WITHIN_S, f"exited {took:.1f} s after the signal"
+    assert proc.returncode == 128 + signum
+    text = stderr.read_text()
+    assert text.strip().splitlines()[-1].startswith(f"reproduce_paper: interrupted by {signal.Signals(signum).name}: ")
+    assert "Traceback" not in text

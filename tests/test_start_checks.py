@@ -1,7 +1,7 @@
 """Every input is checked before anything runs: the model's config.json, the prompt file, the index
-path, unknown keys (even with `+`) and threads beyond this host's cores each fail with a one-line
-ConfigError (exit 2 from run.py, tests/test_exit_codes.py) that names the problem, and no system is
-loaded."""
+path, unknown keys (even with `+`), a system.adapter that is not a SystemAdapter class and threads
+beyond this host's cores each fail with a one-line ConfigError (exit 2 from run.py,
+tests/test_exit_codes.py) that names the problem, and no system is loaded."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import pytest
 
 from fiddler import hardware
 from runners.main import prepare, resolve_model_path
+from runners.records import read_jsonl
 from runners.schema import ConfigError
 from tests.test_cli import run_py
 from tests.test_harness import _job, cfg_of
@@ -145,3 +146,39 @@ def test_bad_index_path_fails_before_anything_runs(tmp_path, loads, make, words)
         _job(tmp_path, "workload.input_lens=[8,9]", f"run.index_path={path}")
     assert str(err.value).startswith(f"run.index_path='{path}' ") and words in str(err.value)
     assert not loads.exists()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("builtins:print", "is a builtin_function_or_method, not a class"),
+    ("runners.main:prepare", "is a function, not a class"),
+    ("collections:OrderedDict", "is not a SystemAdapter subclass"),  # a class of another kind
+    ("baselines.base:SystemAdapter", "is abstract"),
+    ("no_such_module:FakeSystem", "there is no module no_such_module"),
+    ("tests.fake_systems:NoSuchClass", "module tests.fake_systems has no NoSuchClass"),
+    ("tests.fake_systems", "is not module:Class"),
+])
+@pytest.mark.parametrize("mode", ["execute", "simulate"])  # simulate loads no adapter, but refuses a bad one too
+def test_system_adapter_must_name_a_system_adapter_class(spec, words, mode):
+    with pytest.raises(ConfigError) as err:
+        prepare(cfg_of(f"mode={mode}", "model=mixtral_8x7b", f"system.adapter={spec}"))
+    msg = str(err.value)
+    assert msg.startswith(f"system.adapter={spec!r}") and words in msg and "\n" not in msg
+    assert msg.endswith("allowed: module:Class naming a concrete subclass of baselines.base.SystemAdapter "
+                        "(as in conf/system/*.yaml)")
+
+
+def test_run_py_refuses_a_bad_adapter_with_exit_2_and_a_sweep_refuses_its_job(tmp_path):
+    res = run_py("system.adapter=builtins:print", "workload.input_lens=[8]", "workload.output_lens=[4]",
+                 f"hydra.run.dir={tmp_path / 'run'}", f"run.index_path={tmp_path / 'i.jsonl'}", timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[0].startswith("error: system.adapter='builtins:print' is a ")
+    assert "Traceback" not in res.stderr and not (tmp_path / "i.jsonl").exists()
+    # in a sweep the bad job is refused like any refused job, and the others run
+    res = run_py("-m", "system.adapter=builtins:print,tests.fake_systems:FakeSystem", "workload.input_lens=[8]",
+                 "workload.output_lens=[4]", "workload.repetitions=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                 f"run.index_path={tmp_path / 'i.jsonl'}", "run.progress=false", timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    errors = [p.read_text() for p in sorted((tmp_path / "sweep").glob("*/job_error.txt"))]
+    assert len(errors) == 1 and errors[0].startswith("system.adapter='builtins:print' is a ")
+    assert "Traceback" not in res.stderr
+    assert [r["status"] for r in read_jsonl(tmp_path / "i.jsonl")] == ["ok"]

@@ -1,13 +1,14 @@
 """A guard over the whole session: no `ok` record that a test wrote holds a NaN or an infinity (issue 20).
 
-At the end of the session every `records.jsonl` is read back, strictly (`NaN`/`Infinity` tokens and
-overflowing literals are caught, not parsed into floats): those under pytest's temporary directories (where
-the tests' jobs and `python run.py` children write), those the runner wrote in this process wherever they
-are, and those under results/runs and results/multirun written during the session. Only `records.jsonl`
-files: every record the writer writes goes there (the index gets a copy), while index files also hold lines
-that tests write by hand to prove the readers skip them (tests/test_records_robust.py). The last line of the
-report gives the count; a record the runner wrote in this process that the walk did not read fails the
-session too, so a walk that sees nothing cannot pass unnoticed.
+At the end of the session every `records.jsonl` is read back strictly (a `NaN`/`Infinity` token, or a
+literal such as 1e999 that parses as infinity, is caught): those under pytest's temporary directories
+(where the tests' jobs and `python run.py` children write), those the runner wrote in this process
+wherever they are (read after each write too, as some are in temporary directories removed before the
+end), and those under results/runs and results/multirun written during the session. Only `records.jsonl`
+files: every record the writer writes goes there (the index gets a copy), while index files also hold
+lines that tests write by hand to prove the readers skip them (tests/test_records_robust.py). The last
+line of the report gives the count; reading fewer records than the runner wrote in this process fails
+the session too, so a walk that sees nothing cannot pass unnoticed.
 """
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from typing import Any, Iterable
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Set while the fix is not in: problems are reported as expected, not failed (the xfail-first commit).
-EXPECTED_TO_FAIL = "issue 20: the record writer lets NaN/inf into ok records (fixed in the next commit)"
 
 
 @dataclass
@@ -31,7 +30,11 @@ class Walk:
     records: int = 0
     ok: int = 0
     problems: list[str] = field(default_factory=list)
-    paths: set[Path] = field(default_factory=set)
+
+    def __iadd__(self, other: Walk) -> Walk:
+        self.files, self.records, self.ok = self.files + other.files, self.records + other.records, self.ok + other.ok
+        self.problems += other.problems
+        return self
 
 
 def _first_non_finite(value: Any, path: str = "") -> str | None:
@@ -45,60 +48,76 @@ def _first_non_finite(value: Any, path: str = "") -> str | None:
     return None
 
 
-def walk_records(roots: Iterable[Path], extra: Iterable[Path] = (), since: float | None = None) -> Walk:
-    """Every records.jsonl under `roots` (modified after `since` where given) and in `extra`."""
+def walk_file(path: Path) -> Walk:
+    """One records.jsonl, read strictly: NaN/Infinity tokens are noted, not just parsed."""
+    walk = Walk(files=1)
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        tokens: list[str] = []
+        try:
+            rec = json.loads(line, parse_constant=lambda t: tokens.append(t) or float(t))
+        except ValueError as exc:
+            walk.problems.append(f"{path}:{lineno}: not JSON ({exc})")
+            continue
+        walk.records += 1
+        if not isinstance(rec, dict) or rec.get("status") != "ok":
+            continue
+        walk.ok += 1
+        found = _first_non_finite(rec)
+        if tokens or found:
+            walk.problems.append(f"{path}:{lineno}: an ok record with {found or tokens[0]}")
+    return walk
+
+
+def record_files(roots: Iterable[Path], since: float | None = None) -> set[Path]:
+    """Every records.jsonl under `roots` (modified after `since` where given)."""
+    return {p.resolve() for root in map(Path, roots) if root.is_dir() for p in root.rglob("records.jsonl")
+            if since is None or p.stat().st_mtime >= since}
+
+
+def walk_records(roots: Iterable[Path]) -> Walk:
     walk = Walk()
-    files = {p.resolve() for root in roots if Path(root).is_dir() for p in Path(root).rglob("records.jsonl")
-             if since is None or p.stat().st_mtime >= since}
-    files |= {Path(p).resolve() for p in extra if Path(p).is_file()}
-    for path in sorted(files):
-        walk.files += 1
-        walk.paths.add(path)
-        for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
-            if not line.strip():
-                continue
-            tokens: list[str] = []
-            try:
-                rec = json.loads(line, parse_constant=lambda t: tokens.append(t) or float(t))
-            except ValueError as exc:
-                walk.problems.append(f"{path}:{lineno}: not JSON ({exc})")
-                continue
-            walk.records += 1
-            if not isinstance(rec, dict) or rec.get("status") != "ok":
-                continue
-            walk.ok += 1
-            found = _first_non_finite(rec)
-            if tokens or found:
-                walk.problems.append(f"{path}:{lineno}: an ok record with {found or tokens[0]}")
+    for path in sorted(record_files(roots)):
+        walk += walk_file(path)
     return walk
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_ok_record_is_non_finite(request, tmp_path_factory):
-    """Walks the session's records at its end (see the module's docstring)."""
+    """Walks the session's records (see the module's docstring). Files the runner writes in this process
+    are walked after every write too: some live in temporary directories gone by the session's end
+    (runners.validate_sim)."""
     from runners import records
 
-    written: set[Path] = set()
+    seen: dict[Path, Walk] = {}  # the latest walk of each file
+    added = [0]
     add = records.RunRecords.add
 
-    def noting_add(self, record, *, to_index=True):
-        written.add(self.path.resolve())
-        return add(self, record, to_index=to_index)
+    def walking_add(self, record, *, to_index=True):
+        written = add(self, record, to_index=to_index)
+        added[0] += 1
+        seen[self.path.resolve()] = walk_file(self.path)
+        return written
 
     start = time.time() - 1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(records.RunRecords, "add", noting_add)
+        mp.setattr(records.RunRecords, "add", walking_add)
         yield
-    walk = walk_records([tmp_path_factory.getbasetemp()], extra=written)
-    new = walk_records([ROOT / "results" / "runs", ROOT / "results" / "multirun"], since=start)
-    walk.files, walk.records, walk.ok = walk.files + new.files, walk.records + new.records, walk.ok + new.ok
-    walk.problems += new.problems
-    missed = sorted(p for p in written if p not in walk.paths | new.paths)
-    problems = walk.problems + [f"{p}: written in this session but not read by the walk" for p in missed]
+    files = record_files([tmp_path_factory.getbasetemp()])
+    files |= record_files([ROOT / "results" / "runs", ROOT / "results" / "multirun"], since=start)
+    files |= {p for p in seen if p.is_file()}
+    seen.update({p: walk_file(p) for p in files})
+    walk = Walk()
+    for path in sorted(seen):
+        walk += seen[path]
+    problems = list(walk.problems)
+    if walk.records < added[0]:  # each add writes a line; a walk that misses files must not pass
+        problems.append(f"the walk read {walk.records} records, fewer than the {added[0]} written in this process")
     line = (f"record walk: {walk.records} records ({walk.ok} ok) in {walk.files} records.jsonl files, "
             f"{len(problems)} problem(s)")
     request.config.stash[_SUMMARY] = [line, *problems[:20]]
-    if problems and not EXPECTED_TO_FAIL:
+    if problems:
         raise AssertionError(f"{line}:\n" + "\n".join(problems[:20]))
 
 
@@ -107,10 +126,7 @@ _SUMMARY = pytest.StashKey[list]()
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = config.stash.get(_SUMMARY, None)
-    if not lines:
-        return
-    if EXPECTED_TO_FAIL and len(lines) > 1:
-        lines = [f"{lines[0]} (expected: {EXPECTED_TO_FAIL})", *lines[1:]]
-    for extra in lines[1:]:
+    for extra in (lines or [])[1:]:
         terminalreporter.write_line(f"  {extra}")
-    terminalreporter.write_line(lines[0])
+    if lines:
+        terminalreporter.write_line(lines[0])

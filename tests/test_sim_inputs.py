@@ -51,27 +51,22 @@ TINY = ("model=tiny_mixtral", "workload.input_lens=[16]", "workload.output_lens=
 
 # ---------------------------------------------------------------- tracebacks instead of a one-line error
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (a): h2d_gbps=0 -> ZeroDivisionError in fiddler/latency.py")
 def test_a_zero_pcie_rate_is_refused_at_start(tmp_path):
     msg = _refused(tmp_path, "environment.pcie.h2d_gbps=0")
     assert msg.startswith("environment.pcie.h2d_gbps=0.0 is invalid; allowed: a finite number > 0 where "
                           "mode=simulate simulates a GPU"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (b): gpu.memory_gb=inf -> OverflowError in runners/simulate.py")
 def test_b_an_infinite_gpu_memory_is_refused_at_start(tmp_path):
     msg = _refused(tmp_path, "environment.gpu.memory_gb=inf")
     assert msg.startswith("environment.gpu.memory_gb=inf is invalid; allowed: a finite number >= 0"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (c): an efficiency factor of 0 -> ZeroDivisionError")
 def test_c_a_zero_efficiency_factor_is_refused_at_start(tmp_path):
     msg = _refused(tmp_path, "+sim.efficiency.cpu.kernel_bw_fraction=0")
     assert msg.startswith("sim.efficiency.cpu.kernel_bw_fraction=0.0 is invalid; allowed: a number in (0, 1]"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (d): a trace that is a JSON list or lacks steps -> "
-                                       "AttributeError / KeyError in fiddler/sim/trace.py")
 @pytest.mark.parametrize("content, words", [
     ("[1, 2]", "a JSON list, expected an object"),
     (json.dumps({"format": "fiddler.routing_trace", "version": 1, "num_layers": 4, "num_experts": 8, "top_k": 2}),
@@ -84,8 +79,6 @@ def test_d_a_trace_that_is_not_a_trace_object_is_refused_at_start(tmp_path, cont
     assert msg.startswith(f"sim.trace='{path}': ") and words in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (e): the schema checks >= 0 where > 0 is needed and lets inf "
-                                       "through")
 @pytest.mark.parametrize("override, allowed", [
     ("environment.gpu.bf16_tflops=0", "a finite number > 0 where mode=simulate simulates a GPU"),
     ("environment.host_memory_gb=inf", "a finite number > 0"),
@@ -99,8 +92,6 @@ def test_e_the_schema_wants_finite_numbers_and_more_than_zero_where_zero_is_mean
     assert msg.startswith(f"{key}={float(value)!r} is invalid; allowed: {allowed}"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (e): runners/simulate.py catches only ValueError and "
-                                       "FileNotFoundError from the setup: anything else was a traceback")
 def test_e_any_failure_of_the_simulation_setup_is_an_error_record(tmp_path, monkeypatch):
     import runners.simulate
 
@@ -116,8 +107,6 @@ def test_e_any_failure_of_the_simulation_setup_is_an_error_record(tmp_path, monk
 
 # ---------------------------------------------------------------- wrong `ok` records
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (f): an ok record with NaN in the latency model and a TTFT "
-                                       "of 0.53 s where the default gives 1.33 s")
 @pytest.mark.parametrize("override, allowed", [
     ("environment.cpu.mem_bandwidth_gbps=inf", "a finite number > 0"),
     ("+sim.efficiency.cpu.kernel_bw_fraction=nan", "a number in (0, 1]"),
@@ -128,8 +117,6 @@ def test_f_non_finite_cpu_numbers_are_refused_at_start(tmp_path, override, allow
     assert msg.startswith(f"{key}={float(value)!r} is invalid; allowed: {allowed}"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (g): out-of-range factors are accepted; gpu.mem_bandwidth_gbps=0 "
-                                       "gives an ok record with Infinity in it")
 @pytest.mark.parametrize("override, allowed", [
     ("+sim.efficiency.cpu.kernel_bw_fraction=1e9", "a number in (0, 1]"),
     ("+sim.efficiency.gpu.flops_fraction=inf", "a number in (0, 1]"),
@@ -143,22 +130,18 @@ def test_g_out_of_range_factors_and_a_zero_gpu_bandwidth_are_refused_at_start(tm
 
 # ---------------------------------------------------------------- misleading
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (h): pcie.d2h_gbps=0 silently used the h2d rate")
 def test_h_a_zero_d2h_rate_is_refused_not_replaced_by_h2d(tmp_path):
     msg = _refused(tmp_path, "environment.pcie.d2h_gbps=0")
     assert msg.startswith("environment.pcie.d2h_gbps=0.0 is invalid; allowed: a finite number > 0 where "
                           "mode=simulate simulates a GPU"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (i): threads=64 on a 6-core described machine was simulated as "
-                                       "64 threads")
 @pytest.mark.parametrize("key", ["environment.cpu.threads", "system.cpu_threads"])
 def test_i_threads_beyond_the_described_cores_are_refused(tmp_path, key):
     msg = _refused(tmp_path, f"{key}=64")
     assert msg.startswith(f"{key}=64 is more than the 6 cores environment=rtx3060 describes; allowed: 1..6"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (j): a negative value reported 'negative duration' naming no key")
 @pytest.mark.parametrize("override, allowed", [
     ("+sim.efficiency.cpu.kernel_bw_fraction=-0.5", "a number in (0, 1]"),
     ("model.arch.hidden_size=-4096", "an integer >= 1"),
@@ -170,8 +153,6 @@ def test_j_a_negative_value_is_refused_naming_its_key(tmp_path, override, allowe
     assert msg.startswith(f"{key}={shown} is invalid; allowed: {allowed}"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (k): a short trace was silently cycled; a missing trace was an "
-                                       "error record per job, not a refusal at start")
 @pytest.mark.parametrize("make, words", [
     (lambda d: _trace(d / "short.json", prefill=8, decode_steps=3),
      "is shorter than the workload (prefill: 8 tokens for workload.input_lens up to 16; decode: 3 rows for 7)"),
@@ -185,8 +166,6 @@ def test_k_a_short_or_missing_trace_is_refused_at_start(tmp_path, make, words):
         assert "sim.trace_cycle=true" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (k): sim.trace_cycle does not exist; the record did not say "
-                                       "that the trace was cycled")
 def test_k_a_cycled_trace_is_named_in_the_record(tmp_path):
     path = _trace(tmp_path / "short.json", prefill=8, decode_steps=3)
     full = _trace(tmp_path / "full.json", prefill=16, decode_steps=7)
@@ -197,8 +176,6 @@ def test_k_a_cycled_trace_is_named_in_the_record(tmp_path):
     assert exact["simulation"]["routing"]["cycled"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (l): simulate gave ok records for quant setups the engine "
-                                       "refuses at load")
 @pytest.mark.parametrize("model, quant", [("tiny_qwen2_moe", "q8_0"), ("deepseek_v3", "q4_0")])
 def test_l_simulate_refuses_the_quant_the_engine_refuses_with_its_message(tmp_path, model, quant):
     from fiddler import quant as fquant
@@ -211,7 +188,6 @@ def test_l_simulate_refuses_the_quant_the_engine_refuses_with_its_message(tmp_pa
     assert msg == f"system.quant={quant!r} is invalid for model={model}: {engine.value}", msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (l): execute mode found it only at load, an error record")
 def test_l_execute_refuses_it_at_start_with_the_same_message(tmp_path):
     from fiddler import quant as fquant
     from runners.simulate import model_config
@@ -236,7 +212,6 @@ def _strict_lines(path: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: the record writer wrote ok records with NaN/Infinity in them")
 def test_the_writer_turns_an_ok_record_with_a_non_finite_number_into_an_error(tmp_path):
     rec = {"schema_version": 1, "run_id": "r", "time": "t", "status": "ok", "reason": None, "system": "s",
            "model": "m", "workload": "w", "environment": "e", "mode": "simulate", "config_hash": "h",
@@ -254,8 +229,6 @@ def test_the_writer_turns_an_ok_record_with_a_non_finite_number_into_an_error(tm
     assert store.records[0]["status"] == "error"  # what the job returns (exit 1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: an ok index line with an infinity outside its metrics was "
-                                       "resumed and tabled")
 def test_an_ok_record_with_a_non_finite_number_anywhere_is_damaged_on_read(tmp_path):
     good = {"status": "ok", "point": {"input_len": 8, "output_len": 4, "beam_width": 1},
             "metrics": {"ttft_s": 0.5, "prefill_tok_s": 16.0, "e2e_tok_s": 2.0}}
@@ -266,8 +239,6 @@ def test_an_ok_record_with_a_non_finite_number_anywhere_is_damaged_on_read(tmp_p
         assert len(read_records(path)) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: a simulation without a GPU wrote Infinity into its ok record "
-                                       "(system_info.latency_model)")
 def test_the_record_walk_sees_records_and_none_is_ok_with_a_non_finite_number(tmp_path):
     from tests.conftest import walk_records
 
@@ -284,7 +255,6 @@ def test_the_record_walk_sees_records_and_none_is_ok_with_a_non_finite_number(tm
 RUN = (*SIM, *SMALL, "run.progress=false")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (a): a ZeroDivisionError traceback, exit 1")
 def test_run_py_exits_2_with_one_line_naming_the_key(tmp_path):
     res = run_py(*RUN, "environment.pcie.h2d_gbps=0", f"hydra.run.dir={tmp_path / 'r'}",
                  f"run.index_path={tmp_path / 'i.jsonl'}", timeout=300)
@@ -294,7 +264,6 @@ def test_run_py_exits_2_with_one_line_naming_the_key(tmp_path):
     assert "Traceback" not in res.stderr and not (tmp_path / "i.jsonl").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (a): the job's job_error.txt named a ZeroDivisionError, not the key")
 def test_a_sweep_refuses_the_job_with_the_bad_value_and_runs_the_others(tmp_path):
     res = run_py("-m", *RUN, "environment.pcie.h2d_gbps=25,0", f"hydra.sweep.dir={tmp_path / 's'}",
                  f"run.index_path={tmp_path / 'i.jsonl'}", timeout=300)
@@ -305,3 +274,28 @@ def test_a_sweep_refuses_the_job_with_the_bad_value_and_runs_the_others(tmp_path
     assert error.startswith("environment.pcie.h2d_gbps=0.0 is invalid; allowed: a finite number > 0"), error
     assert "job 1 did not run: environment.pcie.h2d_gbps=0.0" in res.stderr
     assert read_jsonl(tmp_path / "s" / "0" / "records.jsonl")[0]["status"] == "ok"
+
+
+# ---------------------------------------------------------------- the efficiency factors' one table
+
+def test_every_efficiency_factor_has_a_range_and_every_class_lies_in_it():
+    from dataclasses import fields
+
+    from fiddler.sim.efficiency import CPU_CLASSES, FACTOR_RANGES, GPU_CLASSES, CpuClass, GpuClass
+
+    factors = {f"{part}.{f.name}" for part, cls in (("cpu", CpuClass), ("gpu", GpuClass)) for f in fields(cls)
+               if f.type in ("float", float)}
+    assert set(FACTOR_RANGES) == factors
+    for part, classes in (("cpu", CPU_CLASSES), ("gpu", GPU_CLASSES)):
+        for c in classes.values():
+            for key in (k for k in FACTOR_RANGES if k.startswith(f"{part}.")):
+                assert FACTOR_RANGES[key].contains(getattr(c, key.partition(".")[2])), (c.name, key)
+
+
+def test_the_library_refuses_an_out_of_range_override_too():
+    from fiddler.sim import Efficiency
+
+    eff = Efficiency.for_classes("avx2_desktop")
+    assert eff.with_overrides({"gpu.launch_s": 0.0}).gpu.launch_s == 0.0  # a fixed cost may be 0
+    with pytest.raises(ValueError, match=r"gpu.bw_fraction=1.5 is out of range; allowed: a number in \(0, 1\]"):
+        eff.with_overrides({"gpu.bw_fraction": 1.5})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, ClassVar
@@ -27,6 +28,18 @@ def check(ok: Callable[[], Any], key: str, value: Any, allowed: str) -> None:
         return
     if not ok():
         raise ConfigError(f"{key}={value!r} is invalid; allowed: {allowed}")
+
+
+def check_number(key: str, value: Any, low: float = 0.0, *, above: bool = False, optional: bool = False,
+                 note: str = "") -> None:
+    """A finite number >= low (> low where `above`; None too where `optional`). Finite always: an inf or a
+    NaN passes every comparison-free path of a cost model and comes out as an `ok` record of nonsense."""
+    if optional and value is None:
+        return
+    sign = ">" if above else ">="
+    allowed = f"{'null or ' if optional else ''}a finite number {sign} {low:g}{note}"
+    check(lambda: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if above else value >= low), key, value, allowed)
 
 
 @dataclass
@@ -55,6 +68,10 @@ class SystemConfig:
         (each system's lives beside its adapter and is imported lazily here). Raise SystemUnavailable
         with the reason where the system has no simulation model (the record is then `skipped`)."""
         raise SystemUnavailable(f"system={self.name} has no simulation model")
+
+    def check_model(self, model: str, model_config: Callable[[], Any]) -> None:
+        """Raise ConfigError, naming the key, where these options cannot run `model` (checked at start in
+        both modes). model_config() gives its fiddler.config.MoEConfig; call it only when needed."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their values), for records."""

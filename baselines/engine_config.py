@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.base import SystemConfig, check
+from baselines.base import SystemConfig, check, check_number
 
 
 @dataclass
@@ -18,5 +18,4 @@ class EngineSystemConfig(SystemConfig):
     def __post_init__(self) -> None:
         if self.cpu_threads is not None:
             check(lambda: self.cpu_threads >= 1, "system.cpu_threads", self.cpu_threads, "null or an integer >= 1")
-        if self.gpu_budget_gb is not None:
-            check(lambda: self.gpu_budget_gb >= 0, "system.gpu_budget_gb", self.gpu_budget_gb, "null or a number >= 0")
+        check_number("system.gpu_budget_gb", self.gpu_budget_gb, optional=True)

@@ -14,9 +14,10 @@ builds that from its environment config (runners/hardware_spec.py).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -68,6 +69,9 @@ class LatencyModel:
         threads = cpu_threads or spec.cpu_threads or spec.cpu_cores
         cpu_flops = threads * spec.cpu_ghz * 1e9 * spec.cpu_flops_per_cycle() * spec.cpu_flops_eff
         cpu_bw = spec.cpu_mem_bandwidth_gbps * 1e9 * spec.cpu_bw_eff
+        if spec.gpu_mem_bandwidth_gbps > 0 and spec.pcie_h2d_gbps <= 0:  # the copies below divide by it
+            raise ValueError("HardwareSpec describes a GPU (gpu_mem_bandwidth_gbps > 0) but no PCIe link "
+                             "(pcie_h2d_gbps is 0); give its rate")
         pcie_h2d = spec.pcie_h2d_gbps * 1e9 * spec.pcie_eff
         pcie_d2h = (spec.pcie_d2h_gbps or spec.pcie_h2d_gbps) * 1e9 * spec.pcie_eff
         cpu_a = flops_tok / cpu_flops
@@ -115,6 +119,14 @@ class HardwareSpec:
     gpu_launch_overhead_s: float = 2e-5
     cpu_call_overhead_s: float = 2e-5
     pcie_latency_s: float = 1e-5
+
+    def __post_init__(self) -> None:
+        # an inf or NaN here came out of the latency model as NaN costs, and a negative one as negative
+        # durations, far from the number that caused them
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"HardwareSpec.{f.name}={v!r} is invalid; allowed: a finite number >= 0")
 
     def cpu_flops_per_cycle(self) -> float:
         if self.cpu_flops_per_cycle_override is not None:

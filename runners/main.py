@@ -114,10 +114,13 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
 
     conf, resolved = prepare(cfg)
     simulating = conf.mode is Mode.simulate  # no weights, no child process, the host's cores irrelevant
-    if not simulating:
+    if simulating:
+        preflight.check_trace(conf, points)
+    else:
         preflight.check_threads(conf)
         preflight.check_prompt_file(conf.workload.prompt_file)
     model_path = "" if simulating else resolve_model_path(conf)
+    preflight.check_model_support(conf, lambda: _model_config(conf, model_path))
     _add_resumed(store, done, hashes, len(points))
     run_id = uuid.uuid4().hex[:12]
 
@@ -147,8 +150,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     try:
         with _signals_raise():
             for record in _measure(job, todo, conf, progress, current):
-                store.add(record)
-                progress.done(record)
+                progress.done(store.add(record))
     except Interrupted as exc:
         if current[0] is not None:
             store.add(base_record(job, current[0], "interrupted", f"received {exc}"))
@@ -161,6 +163,17 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     progress.close()
     _write_table(store.records, run_dir)
     return store.records
+
+
+def _model_config(conf: Config, model_path: str):
+    """The model's fiddler MoEConfig: from its checkpoint's config.json, or (simulate) from model.arch."""
+    if not model_path:
+        from runners.simulate import model_config
+
+        return model_config(dict(conf.model.arch))
+    from fiddler.config import MoEConfig
+
+    return MoEConfig.from_pretrained(model_path)
 
 
 def _add_resumed(store: records.RunRecords, done: dict[str, dict[str, Any]], hashes: list[str], n: int) -> None:

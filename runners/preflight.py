@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 from fiddler import hardware
 from runners import provenance
@@ -90,3 +91,51 @@ def check_index_path(path: Path) -> None:
         tempfile.TemporaryFile(dir=parent).close()
     except OSError as exc:
         raise ConfigError(f"{key} cannot be created: {parent} is not writable ({exc.strerror})") from exc
+
+
+def check_trace(conf: Config, points: list[dict[str, int]]) -> None:
+    """mode=simulate's routing trace, when the routing replays one: the file is a trace of the model's shape
+    and as long as the workload's longest point, or sim.trace_cycle=true. Found per job at run time, a bad
+    trace was an `error` record (a list or a trace without steps a traceback), and a short one was cycled
+    without a word."""
+    from fiddler.sim import RoutingTrace
+    from runners.simulate import model_config
+
+    sim = conf.sim
+    if not sim.trace or sim.routing.value not in ("auto", "trace"):
+        return
+    key = f"sim.trace={sim.trace!r}"
+    path = Path(sim.trace).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{key} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{key} is not a regular file")
+    try:
+        trace = RoutingTrace.load(path)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {str(exc).removeprefix(f'{path}: ').splitlines()[0]}") from None
+    try:
+        config = model_config(dict(conf.model.arch))
+    except (ValueError, KeyError):
+        config = None  # a model the simulator cannot build: its setup records that
+    if config is not None:
+        try:
+            trace.check_shape(config)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+    longest = max(p["input_len"] for p in points)
+    rows = max((p["output_len"] - 1) * p["beam_width"] for p in points)
+    short = ([f"prefill: {trace.prefill_tokens} tokens for workload.input_lens up to {longest}"]
+             if trace.prefill_tokens < longest else [])
+    short += [f"decode: {trace.decode_rows} rows for {rows}"] if trace.decode_rows < rows else []
+    if short and not sim.trace_cycle:
+        raise ConfigError(f"{key} is shorter than the workload ({'; '.join(short)}); allowed: a trace as long as "
+                          f"its longest point, or sim.trace_cycle=true to cycle it (the record then says so)")
+
+
+def check_model_support(conf: Config, model_config: Callable[[], Any]) -> None:
+    """What the system refuses to load for this model, refused at start in both modes with the system's own
+    message (SystemConfig.check_model; e.g. the engine's quant= on attention it does not implement, for
+    which simulate mode gave `ok` records and execute mode an `error` record at load). `model_config()`
+    gives the model's MoEConfig, read only where the system asks."""
+    conf.system.check_model(conf.model.name, model_config)

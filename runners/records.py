@@ -198,7 +198,52 @@ def record_problem(rec: dict[str, Any]) -> str | None:
         missing = [k for k in _OK_METRICS if not _is_number(metrics.get(k))]
         if missing:
             return f"an ok record without metrics ({', '.join(missing)})"
-    return next(filter(None, (_metric_problem(k, v) for k, v in metrics.items())), None)
+    problem = next(filter(None, (_metric_problem(k, v) for k, v in metrics.items())), None)
+    if problem is None and rec["status"] == "ok":  # a line written before the writer refused them
+        found = first_non_finite(rec)
+        problem = f"an ok record with a non-finite number: {found}" if found else None
+    return problem
+
+
+def first_non_finite(value: Any, path: str = "") -> str | None:
+    """`path=value` of the first NaN or infinite number in a record (depth first), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path}={value!r}"
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next(filter(None, (first_non_finite(v, p) for p, v in items)), None)
+
+
+def _nulled(value: Any) -> Any:
+    """NaN and infinities as null: what strict JSON can hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nulled(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nulled(v) for v in value]
+    return value
+
+
+def finite_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """The record as written: strict JSON, and never `ok` with a NaN or an infinity. Such an `ok` record
+    becomes an `error` naming the first such field, without its metrics: they were computed from it, and
+    nothing tells which of them to trust. Turned into an error, not raised: the sweep goes on, the job
+    exits 1, and the index keeps a line saying what went wrong instead of nothing. Non-finite numbers
+    of any record are written as null (an `ok` record's index line is then never NaN-laden JSON that
+    other readers choke on)."""
+    found = first_non_finite(rec)
+    if found is None:
+        return rec
+    if rec.get("status") == "ok":
+        rec = {k: v for k, v in rec.items() if k not in ("metrics", "raw")}
+        rec.update(status="error", reason=f"an ok record must hold finite numbers only: {found} "
+                                          f"(its metrics are dropped)")
+    return _nulled(rec)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -212,18 +257,21 @@ class RunRecords:
     def __init__(self, run_dir: Path, index_path: Path):
         self.run_dir = Path(run_dir)
         self.index_path = Path(index_path)
-        self.records: list[dict[str, Any]] = read_records(self.path)
+        self.records: list[dict[str, Any]] = [finite_record(r) for r in read_records(self.path)]
 
     @property
     def path(self) -> Path:
         return self.run_dir / "records.jsonl"
 
-    def add(self, record: dict[str, Any], *, to_index: bool = True) -> None:
+    def add(self, record: dict[str, Any], *, to_index: bool = True) -> dict[str, Any]:
+        """Writes the record as finite_record makes it, and returns that."""
         assert record["status"] in STATUSES, record["status"]
+        record = finite_record(record)
         self.records.append(record)
-        atomic_write_text(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.records))
+        atomic_write_text(self.path, "".join(json.dumps(r, default=str, allow_nan=False) + "\n" for r in self.records))
         if to_index:
             append_lines(self.index_path, [record])
+        return record
 
 
 def ok_records_by_hash(index_path: Path) -> dict[str, dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -17,6 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from baselines.base import ConfigError, SystemConfig
 from baselines.base import check as _check
+from baselines.base import check_number as _check_number
 
 
 def _check_list(values: List[int], key: str, minimum: int) -> None:
@@ -31,6 +33,9 @@ class Isa(Enum):
     avx2 = "avx2"
 
 
+# A GPU's memory may be 0 (no GPU). Its bandwidth, its FLOP/s and the PCIe rates may be 0 here, meaning
+# unknown: environment=local cannot detect them and execute mode never reads them. Where mode=simulate
+# simulates a GPU they are divisors, so check_simulation wants them > 0 there.
 @dataclass
 class GpuSpec:
     name: str = "none"
@@ -39,8 +44,9 @@ class GpuSpec:
     bf16_tflops: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("memory_gb", "mem_bandwidth_gbps", "bf16_tflops"):
-            _check(lambda: getattr(self, key) >= 0, f"environment.gpu.{key}", getattr(self, key), "a number >= 0")
+        _check_number("environment.gpu.memory_gb", self.memory_gb, note=" (0 = no GPU)")
+        for key in ("mem_bandwidth_gbps", "bf16_tflops"):
+            _check_number(f"environment.gpu.{key}", getattr(self, key), note=" (0 = unknown)")
 
 
 @dataclass
@@ -50,7 +56,7 @@ class PcieSpec:
 
     def __post_init__(self) -> None:
         for key in ("h2d_gbps", "d2h_gbps"):
-            _check(lambda: getattr(self, key) >= 0, f"environment.pcie.{key}", getattr(self, key), "a number >= 0")
+            _check_number(f"environment.pcie.{key}", getattr(self, key), note=" (0 = unknown)")
 
 
 @dataclass
@@ -64,8 +70,8 @@ class CpuSpec:
     def __post_init__(self) -> None:
         _check(lambda: self.cores >= 1, "environment.cpu.cores", self.cores, "an integer >= 1")
         _check(lambda: self.threads >= 1, "environment.cpu.threads", self.threads, "an integer >= 1")
-        _check(lambda: self.mem_bandwidth_gbps > 0, "environment.cpu.mem_bandwidth_gbps", self.mem_bandwidth_gbps,
-               "a number > 0")
+        # the CPU always computes: its read limit divides every CPU cost
+        _check_number("environment.cpu.mem_bandwidth_gbps", self.mem_bandwidth_gbps, above=True)
 
 
 @dataclass
@@ -80,7 +86,7 @@ class EnvironmentConfig:
     host_memory_gb: float = MISSING
 
     def __post_init__(self) -> None:
-        _check(lambda: self.host_memory_gb > 0, "environment.host_memory_gb", self.host_memory_gb, "a number > 0")
+        _check_number("environment.host_memory_gb", self.host_memory_gb, above=True)
 
 
 # ---------------------------------------------------------------- workload
@@ -122,6 +128,35 @@ class ModelConfig:
     synthetic: bool = False
     seed: int = 0
     dtype: Dtype = Dtype.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.arch != MISSING:
+            check_arch(self.arch)
+
+
+# model.arch sizes (widths, counts, lengths) that must be integers >= 1 where given: a 0 or negative one
+# gave "negative duration" from the simulator and nonsense shapes from the generator. The counts where 0
+# means none are >= 0. Other numbers of arch (eps, rope theta, scaling factors) must be finite.
+ARCH_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "num_experts",
+              "n_routed_experts", "num_experts_per_tok", "vocab_size", "max_position_embeddings", "kv_lora_rank",
+              "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+              "decoder_sparse_step", "sliding_window")
+ARCH_COUNTS = ("first_k_dense_replace", "n_shared_experts", "shared_expert_intermediate_size")
+
+
+def check_arch(arch: Dict[str, Any], prefix: str = "model.arch") -> None:
+    for key, value in arch.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            check_arch(value, name)
+        elif value is None or isinstance(value, bool):
+            continue
+        elif prefix == "model.arch" and key in ARCH_SIZES + ARCH_COUNTS:
+            low = 1 if key in ARCH_SIZES else 0
+            _check(lambda: isinstance(value, int) and value >= low, name, value, f"an integer >= {low}")
+        elif isinstance(value, float):
+            _check(lambda: math.isfinite(value), name, value, "a finite number")
 
 
 # ---------------------------------------------------------------- systems
@@ -174,12 +209,8 @@ class RunConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("timeout_s", "load_timeout_s"):
-            v = getattr(self, key)
-            if v is not None:
-                _check(lambda: v > 0, f"run.{key}", v, "null or a number > 0")
-        if self.memory_limit_gb is not None:
-            _check(lambda: self.memory_limit_gb > 0, "run.memory_limit_gb", self.memory_limit_gb, "null or a number > 0")
+        for key in ("timeout_s", "load_timeout_s", "memory_limit_gb"):  # null, not inf, means no limit
+            _check_number(f"run.{key}", getattr(self, key), above=True, optional=True)
 
 
 class SimRouting(Enum):
@@ -201,6 +232,9 @@ class SimConfig:
     reuse: float = 0.26
     speculative_recall: float = 0.85
     seed: int = 0
+    # a trace shorter than the workload (prefill tokens, decode rows) is cycled only when asked; the record
+    # then says so (simulation.routing.cycled)
+    trace_cycle: bool = False
     cpu_class: Optional[str] = None  # None = from environment.cpu.name / isa (fiddler.sim.cpu_class_of)
     gpu_class: str = "nvidia"
     # overrides of the class's factors, e.g. sim.efficiency={cpu:{kernel_bw_fraction:0.9}} or
@@ -214,15 +248,17 @@ class SimConfig:
         _check(lambda: self.routing is not SimRouting.trace or bool(self.trace), "sim.routing", self.routing.value,
                "trace only with sim.trace=<routing trace file>")
         if self.efficiency and self.efficiency != MISSING:
-            from fiddler.sim.efficiency import CPU_CLASSES, GPU_CLASSES  # only when overrides are given
+            from fiddler.sim.efficiency import FACTOR_RANGES, factor_problem  # only when overrides are given
 
-            known = {"cpu": next(iter(CPU_CLASSES.values())), "gpu": next(iter(GPU_CLASSES.values()))}
             for part, factors in self.efficiency.items():
-                names = [k for k, v in vars(known.get(part, object())).items() if isinstance(v, float)]
-                _check(lambda: part in known, "sim.efficiency", part, "cpu.<factor> or gpu.<factor>")
-                for name in factors or {}:
-                    _check(lambda: name in names, f"sim.efficiency.{part}.{name}", factors[name],
+                names = [k.partition(".")[2] for k in FACTOR_RANGES if k.startswith(f"{part}.")]
+                _check(lambda: bool(names), "sim.efficiency", part, "cpu.<factor> or gpu.<factor>")
+                for name, value in (factors or {}).items():
+                    key = f"sim.efficiency.{part}.{name}"
+                    _check(lambda: name in names, key, value,
                            f"a factor of fiddler/sim/efficiency.py: {', '.join(names)}")
+                    problem = factor_problem(f"{part}.{name}", value)
+                    _check(lambda: problem is None, key, value, problem or "")
 
 
 @dataclass
@@ -280,4 +316,36 @@ def validate(cfg: DictConfig) -> Config:
     """Check that every key is known, resolve interpolations and run every range check; raises
     ConfigError naming the key."""
     check_known_keys(cfg)
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    conf: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    if conf.mode is Mode.simulate:
+        check_simulation(conf)
+    return conf
+
+
+def simulated_gpu_budget(conf: Config) -> tuple[float, str]:
+    """(GB, key): the GPU budget mode=simulate gives the system (runners.simulate.gpu_budget)."""
+    budget = getattr(conf.system, "gpu_budget_gb", None)
+    if budget is not None:
+        return budget, "system.gpu_budget_gb"
+    return conf.environment.gpu.memory_gb, "environment.gpu.memory_gb"
+
+
+def check_simulation(conf: Config) -> None:
+    """What mode=simulate computes with beyond each key's own range: the machine it describes. Where it
+    simulates a GPU (a budget > 0), the GPU's bandwidth and FLOP/s and both PCIe rates are divisors: 0 gave a
+    ZeroDivisionError, or silently no GPU, or the h2d rate for d2h. Threads beyond the cores it describes
+    were simulated as that many cores."""
+    env = conf.environment
+    budget, source = simulated_gpu_budget(conf)
+    if budget > 0:
+        for key, value in (("gpu.mem_bandwidth_gbps", env.gpu.mem_bandwidth_gbps),
+                           ("gpu.bf16_tflops", env.gpu.bf16_tflops), ("pcie.h2d_gbps", env.pcie.h2d_gbps),
+                           ("pcie.d2h_gbps", env.pcie.d2h_gbps)):
+            _check_number(f"environment.{key}", value, above=True,
+                          note=f" where mode=simulate simulates a GPU ({source}={budget:g}; 0 simulates none)")
+    asked = [("environment.cpu.threads", env.cpu.threads)]
+    asked += [(f"system.{k}", getattr(conf.system, k)) for k in ("cpu_threads", "threads") if hasattr(conf.system, k)]
+    for key, n in asked:
+        if n is not None and n > env.cpu.cores:
+            raise ConfigError(f"{key}={n} is more than the {env.cpu.cores} cores environment={env.name} describes; "
+                              f"allowed: 1..{env.cpu.cores} (or describe more with environment.cpu.cores)")

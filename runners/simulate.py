@@ -100,7 +100,7 @@ class SimSetup:
         if routing == "auto":
             routing = "trace" if sim.get("trace") else "profile"
         if routing == "trace":
-            trace = RoutingTrace.load(sim["trace"])
+            trace = RoutingTrace.load(Path(sim["trace"]).expanduser())
             trace.check_shape(self.config)
             self.routing = TraceRouting(trace, speculative_recall=sim["speculative_recall"], seed=sim["seed"])
         else:
@@ -147,9 +147,9 @@ def measure_all(job: Job, todo: list[int], progress=None, current: list | None =
     try:
         setup = SimSetup(job)
     except SystemUnavailable as exc:
-        failed = ("skipped", str(exc))
-    except (ValueError, FileNotFoundError) as exc:
-        failed = ("error", f"simulation setup failed: {one_line(exc)}")
+        failed = ("skipped", str(exc), None)
+    except Exception as exc:  # noqa: BLE001 -- whatever the inputs the start checks let through: a record
+        failed = ("error", f"simulation setup failed: {one_line(exc)}", traceback.format_exc(limit=8))
     load_s = time.perf_counter() - start
     env = job.config["environment"]
     for index in todo:
@@ -159,7 +159,9 @@ def measure_all(job: Job, todo: list[int], progress=None, current: list | None =
             progress.start(index)
         t0 = time.perf_counter()
         if failed is not None:
-            rec = base_record(job, index, *failed)
+            rec = base_record(job, index, *failed[:2])
+            if failed[2]:
+                rec["traceback"] = failed[2]
             rec["environment_info"]["gpu_budget"] = budget_info(job.config)
             rec["timing"] = timing(load_s, None)
             yield rec
@@ -170,6 +172,9 @@ def measure_all(job: Job, todo: list[int], progress=None, current: list | None =
         rec["method"] = {"timer": "virtual clock (fiddler.sim)", "warmup": 0, "repetitions": 1,
                          "deterministic": True, "isolation": "inline"}
         rec["simulation"] = setup.describe(env)
+        if rec["simulation"]["routing"]["kind"] == "trace":  # checked at start: short only with sim.trace_cycle
+            short = setup.routing.trace.shortfall(p["input_len"], p["output_len"], p["beam_width"])
+            rec["simulation"]["routing"]["cycled"] = f"trace cycled: {'; '.join(short)}" if short else None
         try:
             r = simulate(setup.policy, setup.ctx, setup.routing, p["input_len"], p["output_len"], p["beam_width"])
         except Exception as exc:  # noqa: BLE001 -- a point the model cannot simulate is an error record

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from baselines.base import check
+from baselines.base import ConfigError, check
 from baselines.engine_config import EngineSystemConfig
 
 
@@ -34,6 +34,21 @@ class FiddlerConfig(EngineSystemConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(lambda: self.quant in (None, "q8_0", "q4_0"), "system.quant", self.quant, "null, q8_0 or q4_0")
+
+    def check_model(self, model, model_config) -> None:
+        """The engine's own refusal at load (fiddler.quant.check_attention), at start, with its message."""
+        if self.quant is None:
+            return
+        from fiddler.quant import check_attention
+
+        try:
+            config = model_config()
+        except ValueError:
+            return  # a model the engine cannot read at all: its load says why
+        try:
+            check_attention(config)
+        except ValueError as exc:
+            raise ConfigError(f"system.quant={self.quant!r} is invalid for model={model}: {exc}") from None
 
     def sim_policy(self):
         from fiddler.sim import FiddlerSimPolicy

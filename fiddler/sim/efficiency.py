@@ -5,8 +5,8 @@ A CPU class says how fast *our* kernel streams weights relative to the machine's
 (`fiddler.kernels.read_limit`, the independent limit), how fast bf16 GEMMs run per core at prefill
 sizes, and how much of the spec sheet's theoretical DRAM bandwidth the read limit is (used only for
 described environments: `environment=local`'s bandwidth is already the measured limit). A GPU class
-says the same of the GPU. Every factor can be overridden (`Efficiency.with_overrides`); none is fitted
-to a table cell.
+says the same of the GPU. Every factor can be overridden (`Efficiency.with_overrides`) within its range
+(`FACTOR_RANGES`, one table with the reasons); none is fitted to a table cell.
 """
 from __future__ import annotations
 
@@ -42,6 +42,55 @@ class GpuClass:
     pcie_fraction: float  # achieved / the environment's PCIe number (already pinned-copy rates: 1.0)
     pcie_latency_s: float
     sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FactorRange:
+    """Where an efficiency factor may lie: [low, high], or (low, high] where `low_open`, and why."""
+
+    low: float
+    high: float
+    why: str
+    low_open: bool = True
+
+    def contains(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        return (self.low < value if self.low_open else self.low <= value) and value <= self.high  # NaN: False
+
+    def allowed(self) -> str:
+        return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]: {self.why}"
+
+
+# The range of every factor, checked for the classes below (tests/test_sim_inputs.py) and for every override
+# (sim.efficiency at start, Efficiency.with_overrides). A factor of 0 divides by zero, a negative one gives
+# negative durations, an inf or a huge one makes that work free: all gave `ok` records of nonsense.
+_FRACTION = "a fraction of the peak it multiplies, which real code cannot exceed"
+_FIXED_S = "seconds per launch or copy, 0 = none; microseconds in practice, 10 ms would be a stalled device"
+_LAYER_S = ("seconds per decoder layer and step, 0 = none; the measured ones are 1.2-1.7 ms, 0.1 s would make "
+            "a 32-layer step take 3 s of overhead alone")
+FACTOR_RANGES: dict[str, FactorRange] = {
+    "cpu.kernel_bw_fraction": FactorRange(0.0, 1.0, "the kernel's reads as a fraction of the read limit, "
+                                                    "the independent limit it is judged against"),
+    "cpu.gemm_gflops_per_core": FactorRange(0.0, 10000.0, "GFLOP/s per core; 10000 is over 10x the AMX core "
+                                                          "measured (930), above any CPU core's bf16 peak"),
+    "cpu.limit_of_theoretical": FactorRange(0.0, 1.0, "the read limit as a fraction of the spec sheet's "
+                                                      "theoretical DRAM bandwidth, which it cannot exceed"),
+    "gpu.bw_fraction": FactorRange(0.0, 1.0, _FRACTION),
+    "gpu.flops_fraction": FactorRange(0.0, 1.0, _FRACTION),
+    "gpu.pcie_fraction": FactorRange(0.0, 1.0, "a fraction of the environment's PCIe rates, which are "
+                                               "achieved pinned-copy rates already"),
+    "gpu.launch_s": FactorRange(0.0, 0.01, _FIXED_S, low_open=False),
+    "gpu.pcie_latency_s": FactorRange(0.0, 0.01, _FIXED_S, low_open=False),
+    "gpu.engine_layer_overhead_s": FactorRange(0.0, 0.1, _LAYER_S, low_open=False),
+    "gpu.hf_layer_overhead_s": FactorRange(0.0, 0.1, _LAYER_S, low_open=False),
+}
+
+
+def factor_problem(key: str, value: Any) -> str | None:
+    """What `key` ("cpu.kernel_bw_fraction", ...) allows, where `value` is not in its range; None when it is."""
+    rng = FACTOR_RANGES[key]
+    return None if rng.contains(value) else rng.allowed()
 
 
 _SPR_KERNEL = ("results/regression/floors.yaml (avx512, quick): the median of the six Intel readings of "
@@ -152,6 +201,9 @@ class Efficiency:
             if target is None or name not in {f.name for f in fields(target)} or name in ("name", "sources"):
                 raise ValueError(f"unknown efficiency factor {key!r}; use cpu.<factor> or gpu.<factor> of "
                                  f"{[f.name for f in fields(CpuClass)][1:-1]} / {[f.name for f in fields(GpuClass)][1:-1]}")
+            problem = factor_problem(key, value)
+            if problem:
+                raise ValueError(f"efficiency factor {key}={value!r} is out of range; allowed: {problem}")
             sources = {**target.sources, name: f"override ({value})"}
             target = replace(target, **{name: float(value)}, sources=sources)
             if part == "cpu":

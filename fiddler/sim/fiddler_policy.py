@@ -20,6 +20,7 @@ Stats carry the executor's own field names (fiddler.executors.FiddlerStats).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -191,4 +192,13 @@ class FiddlerSimPolicy(SimPolicy):
     def info(self) -> dict[str, Any]:
         return {"policy": self.name, "planner": self.active_planner, "overlap": self.overlap,
                 "placement": {k: v for k, v in self.placement.to_dict().items() if k != "resident"},
-                "latency_model": {k: v for k, v in self.lm.to_dict().items() if k not in ("meta", "samples")}}
+                "latency_model": _finite({k: v for k, v in self.lm.to_dict().items() if k not in ("meta", "samples")})}
+
+
+def _finite(lm: dict[str, Any]) -> dict[str, Any]:
+    """The latency model for a record: a machine without a GPU has GPU and copy costs of inf (never chosen),
+    which JSON cannot hold and an `ok` record must not; null there, and the record says why."""
+    never = sorted(k for k, v in lm.items() if isinstance(v, float) and math.isinf(v))
+    if not never:
+        return lm
+    return {**{k: None if k in never else v for k, v in lm.items()}, "null": "no GPU: never chosen (inf)"}

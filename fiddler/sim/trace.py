@@ -46,6 +46,25 @@ class RoutingTrace:
                 counts[l] += np.bincount(s[l].ravel(), minlength=self.num_experts)
         return Popularity(counts.tolist(), top_k=self.top_k, meta={"source": f"trace {self.meta.get('source')}"})
 
+    def shortfall(self, input_len: int, output_len: int, beam_width: int) -> list[str]:
+        """Where this trace is shorter than one generate, which TraceRouting then cycles: e.g.
+        ["prefill 8 tokens for 16", "decode 3 rows for 7"]; empty when it is long enough. A trace of one
+        step has no decode rows (TraceRouting lets its prefill's stand in)."""
+        short = []
+        if self.prefill_tokens < input_len:
+            short.append(f"prefill {self.prefill_tokens} tokens for {input_len}")
+        if self.decode_rows < (output_len - 1) * beam_width:
+            short.append(f"decode {self.decode_rows} rows for {(output_len - 1) * beam_width}")
+        return short
+
+    @property
+    def prefill_tokens(self) -> int:
+        return int(self.steps[0].shape[1])
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(int(s.shape[1]) for s in self.steps[1:])
+
     def check_shape(self, config) -> None:
         want = (config.num_layers, config.num_experts, config.top_k)
         if (self.num_layers, self.num_experts, self.top_k) != want:
@@ -59,17 +78,23 @@ class RoutingTrace:
                           for s in self.steps]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str | None = None) -> RoutingTrace:
+    def from_dict(cls, d: Any, source: str | None = None) -> RoutingTrace:
+        """Raises ValueError with a one-line reason for anything that is not a trace of this format."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a routing trace: a JSON {_json_kind(d)}, expected an object")
         if d.get("format") != FORMAT:
             raise ValueError(f"not a routing trace (format {d.get('format')!r}, expected {FORMAT!r})")
         if d.get("version") != VERSION:
             raise ValueError(f"routing trace version {d.get('version')!r} is not supported (expected {VERSION})")
-        L, K = int(d["num_layers"]), int(d["top_k"])
-        steps = [np.asarray(s["experts"], dtype=np.int64).reshape(L, int(s["tokens"]), K) for s in d["steps"]]
-        meta = dict(d.get("meta") or {})
+        L, E, K = (_count(d, key) for key in ("num_layers", "num_experts", "top_k"))
+        if not isinstance(d.get("steps"), list):
+            raise ValueError("not a routing trace: no 'steps'" if "steps" not in d else
+                             f"not a routing trace: 'steps' is a JSON {_json_kind(d['steps'])}, expected a list")
+        steps = [_step(s, i, L, K) for i, s in enumerate(d["steps"])]
+        meta = dict(d.get("meta") or {}) if isinstance(d.get("meta"), dict) else {}
         if source:
             meta["source"] = source
-        return cls(L, int(d["num_experts"]), K, steps, meta)
+        return cls(L, E, K, steps, meta)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
@@ -87,6 +112,30 @@ class RoutingTrace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{p}: cannot read a routing trace ({exc})") from exc
         return cls.from_dict(d, source=str(p))
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"not a routing trace: {key}={value!r}, expected an integer >= 1")
+    return value
+
+
+def _step(s: Any, i: int, layers: int, top_k: int) -> np.ndarray:
+    """Step i's experts as [layers, tokens, top_k]."""
+    tokens = s.get("tokens") if isinstance(s, dict) else None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"trace step {i} is not an object with tokens >= 1 and experts")
+    try:
+        return np.asarray(s.get("experts"), dtype=np.int64).reshape(layers, tokens, top_k)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"trace step {i}'s experts are not {layers} layers x {tokens} tokens x top-{top_k} "
+                         f"expert ids") from None
 
 
 class RoutingRecorder(PopularityRecorder):

@@ -107,14 +107,22 @@ def test_e_any_failure_of_the_simulation_setup_is_an_error_record(tmp_path, monk
 
 # ---------------------------------------------------------------- wrong `ok` records
 
+def _assert_refused_naming_the_key(tmp_path, override: str, allowed: str, as_float: bool = True) -> None:
+    """`key=value` is refused at start with the one-line error that names the key, the value (as the
+    schema read it) and what is allowed."""
+    key, _, value = override.lstrip("+").partition("=")
+    msg = _refused(tmp_path, override)
+    shown = repr(float(value)) if as_float else value
+    assert msg.startswith(f"{key}={shown} is invalid; allowed: {allowed}"), msg
+
+
+
 @pytest.mark.parametrize("override, allowed", [
     ("environment.cpu.mem_bandwidth_gbps=inf", "a finite number > 0"),
     ("+sim.efficiency.cpu.kernel_bw_fraction=nan", "a number in (0, 1]"),
 ])
 def test_f_non_finite_cpu_numbers_are_refused_at_start(tmp_path, override, allowed):
-    key, _, value = override.lstrip("+").partition("=")
-    msg = _refused(tmp_path, override)
-    assert msg.startswith(f"{key}={float(value)!r} is invalid; allowed: {allowed}"), msg
+    _assert_refused_naming_the_key(tmp_path, override, allowed)
 
 
 @pytest.mark.parametrize("override, allowed", [
@@ -123,9 +131,7 @@ def test_f_non_finite_cpu_numbers_are_refused_at_start(tmp_path, override, allow
     ("environment.gpu.mem_bandwidth_gbps=0", "a finite number > 0 where mode=simulate simulates a GPU"),
 ])
 def test_g_out_of_range_factors_and_a_zero_gpu_bandwidth_are_refused_at_start(tmp_path, override, allowed):
-    key, _, value = override.lstrip("+").partition("=")
-    msg = _refused(tmp_path, override)
-    assert msg.startswith(f"{key}={float(value)!r} is invalid; allowed: {allowed}"), msg
+    _assert_refused_naming_the_key(tmp_path, override, allowed)
 
 
 # ---------------------------------------------------------------- misleading
@@ -147,10 +153,7 @@ def test_i_threads_beyond_the_described_cores_are_refused(tmp_path, key):
     ("model.arch.hidden_size=-4096", "an integer >= 1"),
 ])
 def test_j_a_negative_value_is_refused_naming_its_key(tmp_path, override, allowed):
-    key, _, value = override.lstrip("+").partition("=")
-    msg = _refused(tmp_path, override)
-    shown = repr(float(value)) if "efficiency" in key else value
-    assert msg.startswith(f"{key}={shown} is invalid; allowed: {allowed}"), msg
+    _assert_refused_naming_the_key(tmp_path, override, allowed, as_float="efficiency" in override)
 
 
 @pytest.mark.parametrize("make, words", [

@@ -23,11 +23,15 @@ def regress(tmp_path, monkeypatch):
 
     def fake_suite(quick, select, nodes=None, rounds=None, root=mod.ROOT):
         values = readings["values"]
-        if root != mod.ROOT:  # the reference build of the side-by-side check
+        if root != mod.ROOT:  # the reference build of the side-by-side check (a list: in turn)
             readings.setdefault("ref_runs", []).append(nodes)
+            readings.setdefault("order", []).append("ref")
             values = readings["ref_values"]
+            values = values.pop(0) if isinstance(values, list) else values
         elif nodes is not None and "ref_runs" in readings:  # this build, side by side
+            readings.setdefault("order", []).append("this")
             values = readings.get("this_values", values)
+            values = values.pop(0) if isinstance(values, list) else values
         elif nodes is not None:  # a confirmation run: the next readings, if a test set them (a list: in turn)
             readings["reruns"].append(nodes)
             readings.setdefault("rounds", []).append(rounds)
@@ -174,6 +178,39 @@ def test_a_ratio_crossing_at_every_reading_is_judged_side_by_side_with_the_refer
     assert regress.main(["--quick", "--class", "avx512"]) == 1
     cap = capsys.readouterr()
     assert "no side-by-side check: building c0ffee failed" in cap.err and "FAILED k_up" in cap.err
+
+
+@pytest.mark.xfail(strict=True, reason="side by side judged the best of 2 alternations: one quiet moment "
+                   "of the reference build failed this one (CI run C, planner_paper_e128k8_t1 this/reference 1.243)")
+def test_side_by_side_is_judged_round_by_round_not_by_one_quiet_moment(regress, capsys):
+    """CI once failed planner_paper_e128k8_t1 side by side (this/reference 1.243 from the best of 2
+    alternations) and passed on a quiet rerun. Readings are paired by round, the order alternated (ABBA),
+    and judged by scripts/ab.py's noise rule: one round where the reference caught a quiet moment is noise;
+    an effect in every round is a regression."""
+    regress.readings["git"]["status"] = ""
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    capsys.readouterr()
+    busy = {"k_up": 0.6, "p_down": 0.2}
+    regress.readings["values"] = busy
+    # the reference caught one quiet moment (round 1); otherwise both builds read alike
+    ref = [0.9, 0.61, 0.58, 0.6, 0.62, 0.59, 0.6]
+    this = [0.6, 0.6, 0.59, 0.61, 0.6, 0.6, 0.6]
+    regress.readings["ref_values"] = [{"k_up": v, "p_down": 0.2} for v in ref]
+    regress.readings["this_values"] = [{"k_up": v, "p_down": 0.2} for v in this]
+    assert regress.main(["--quick", "--class", "avx512"]) == 0
+    out = capsys.readouterr().out
+    n = len(regress.readings["ref_runs"])
+    assert n >= 5  # the sign test of scripts/ab.py needs 5 rounds to tell anything
+    assert regress.readings["order"][:4] == ["ref", "this", "this", "ref"]  # ABBA: neither build always first
+    assert "k_up" in out and "within noise" in out
+    # a regression: this build reads low in every round, side by side
+    regress.readings.pop("ref_runs"), regress.readings.pop("order")
+    regress.readings["ref_values"] = [{"k_up": 0.9, "p_down": 0.2} for _ in range(n)]
+    regress.readings["this_values"] = [{"k_up": 0.6, "p_down": 0.2} for _ in range(n)]
+    assert regress.main(["--quick", "--class", "avx512"]) == 1
+    cap = capsys.readouterr()
+    assert "changed" in cap.out and "FAILED k_up = 0.6 < floor 0.85" in cap.err
 
 
 def test_machine_state_reads_steal_and_load(regress):

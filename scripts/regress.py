@@ -30,9 +30,10 @@ re-measurement taken right away, as kernel_vs_limit_t4 at 0.616 and 0.630 agains
 same binary, A/B-checked against an older build, showed).
 A ratio that crosses at every reading is measured last side by side with the reference build (floors.yaml's
 'reference': a commit that met every floor; --update sets it to the commit it read), exported and built
-in a temporary folder, alternating the two builds AB_ROUNDS times: it fails if this build reads more than
-AB_TOLERANCE worse than the reference, or when there is no reference to compare. A busy machine slows both
-builds alike; a regression slows one.
+in a temporary folder, AB_ROUNDS rounds of one reading of each build, the order alternated (ABBA), judged
+by scripts/ab.py's noise rule on the readings paired by round: it fails if this build reads worse beyond
+noise and by more than AB_TOLERANCE, or when there is no reference to compare. A busy machine slows both
+builds alike, and one quiet moment lifts one round; a regression slows this build in nearly every round.
 --measure runs the benchmarks (of the tree at --root, which may be another revision's export: its
 benchmarks/ and its code; only the --node test ids where given) and prints one JSON line of the ratios read,
 by name, for scripts/ab.py --key NAME; it judges nothing and exits 2 when a named ratio was not read.
@@ -54,14 +55,15 @@ import yaml
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ab.py, beside this file
-from ab import export_build  # noqa: E402
+from ab import export_build, min_rounds  # noqa: E402
+from ab import verdict as ab_verdict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ROOT / "results" / "regression" / "floors.yaml"
 UPDATE_WINDOW = 3  # readings a raised floor must be supported by
 HISTORY = 8  # readings kept per ratio
 CONFIRM_PAUSES_S = (0, 45, 90)  # a crossing ratio is re-measured after each pause until one reading clears
-AB_ROUNDS = 2  # alternations (reference build, this build) of the side-by-side check
+AB_ROUNDS = min_rounds()  # rounds of the side-by-side check: the fewest with which ab.verdict can tell
 AB_TOLERANCE = 0.10  # this build may read this much worse than the reference build, side by side
 
 
@@ -233,10 +235,12 @@ def reference_build(commit: str, dest: Path) -> str | None:
 
 def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[dict]:
     """The last word on a ratio whose every reading crossed its floor: its benchmark on the reference
-    build (a commit that met every floor, floors.yaml's 'reference') and on this one, alternated AB_ROUNDS
-    times in one window. A busy machine lowers both builds alike; a regression lowers only this one, so
-    the ratio fails when this build reads more than AB_TOLERANCE worse than the reference (best readings
-    of each), and stays failed when there is no reference or it cannot be built."""
+    build (a commit that met every floor, floors.yaml's 'reference') and on this one, AB_ROUNDS rounds
+    of one reading each, the order alternated (ABBA: neither build always first), judged with
+    scripts/ab.py's noise rule on the readings paired by round. A busy machine lowers both builds alike
+    and one quiet moment lifts one round only; a regression lowers this build in nearly every round. The
+    ratio fails when the rule says "changed" towards worse by more than AB_TOLERANCE, and stays failed
+    when there is no reference or it cannot be built."""
     crossing = [r for r in rows if r["status"] == "FAIL" and "readings" in r]
     names = {r["name"] for r in crossing}
     commit = (reference or {}).get("commit")
@@ -245,7 +249,7 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
     nodes = sorted({r["test"] for r in crossing if r.get("test")})
     rounds = recheck_rounds(quick)
     print(f"\nregress: {len(crossing)} ratio(s) crossed at every reading; measuring them side by side with the "
-          f"reference build {commit[:12]} ({AB_ROUNDS} alternations) to tell a regression from a busy machine")
+          f"reference build {commit[:12]} ({AB_ROUNDS} rounds, ABBA) to tell a regression from a busy machine")
     ours: dict[str, list[float]] = {}
     theirs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="regress-reference-") as tmp:
@@ -253,28 +257,32 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
         if why:
             print(f"regress: no side-by-side check: {why}", file=sys.stderr)
             return rows
-        for _ in range(AB_ROUNDS):
-            for root, store in ((Path(tmp), theirs), (ROOT, ours)):
-                got, _, rc = run_suite(quick, None, nodes, rounds=rounds, root=root)
+        sides = ((Path(tmp), theirs), (ROOT, ours))
+        for k in range(AB_ROUNDS):
+            got_round: dict[int, dict[str, float]] = {}
+            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+                got, _, rc = run_suite(quick, None, nodes, rounds=rounds, root=sides[i][0])
                 if rc not in (0, 5):
-                    print(f"regress: the side-by-side run in {root} failed (pytest exit {rc})", file=sys.stderr)
+                    print(f"regress: the side-by-side run in {sides[i][0]} failed (pytest exit {rc})", file=sys.stderr)
                     return rows
-                for g in got:
-                    store.setdefault(g["name"], []).append(g["value"])
+                got_round[i] = {g["name"]: g["value"] for g in got}
+            for name in set(got_round[0]) & set(got_round[1]):  # a round counts only with both readings
+                theirs.setdefault(name, []).append(got_round[0][name])
+                ours.setdefault(name, []).append(got_round[1][name])
     out = []
-    print(f"\nside by side with {commit[:12]} (a ratio fails if this build reads more than "
-          f"{AB_TOLERANCE:.0%} worse than the reference; best readings of each):")
+    print(f"\nside by side with {commit[:12]} (a ratio fails if this build reads worse than the reference beyond "
+          f"noise and by more than {AB_TOLERANCE:.0%}; scripts/ab.py's rule on readings paired by round):")
     for r in rows:
-        if r["name"] in names and ours.get(r["name"]) and theirs.get(r["name"]):
-            higher = r["direction"] == "higher"
-            o, t = (max if higher else min)(ours[r["name"]]), (max if higher else min)(theirs[r["name"]])
-            rel = o / t if t else float("inf")
-            ok = rel >= 1 - AB_TOLERANCE if higher else rel <= 1 + AB_TOLERANCE
-            r = {**r, "status": "pass" if ok else "FAIL",
-                 "side_by_side": {"reference": commit, "this": ours[r["name"]], "ref": theirs[r["name"]], "rel": rel}}
-            print(f"  {r['name']:<40} this {', '.join(f'{v:.4g}' for v in ours[r['name']])}; reference "
-                  f"{', '.join(f'{v:.4g}' for v in theirs[r['name']])}  this/reference {rel:.3f}  -> "
-                  + ("pass: the machine read low, not this build" if ok else "FAIL"))
+        if r["name"] in names and ours.get(r["name"]):
+            v = ab_verdict(theirs[r["name"]], ours[r["name"]], tolerance=AB_TOLERANCE)
+            worse = v["changed"] and v["direction"] == ("lower" if r["direction"] == "higher" else "higher")
+            r = {**r, "status": "FAIL" if worse else "pass",
+                 "side_by_side": {"reference": commit, "this": ours[r["name"]], "ref": theirs[r["name"]],
+                                  "rel": v["median_ratio"], "verdict": v["verdict"], "why": v["why"]}}
+            print(f"  {r['name']:<40} this {', '.join(f'{x:.4g}' for x in ours[r['name']])}; reference "
+                  f"{', '.join(f'{x:.4g}' for x in theirs[r['name']])}  this/reference {v['median_ratio']:.3f} "
+                  f"(median of rounds): {v['verdict']}, {v['why']}  -> "
+                  + ("FAIL" if worse else "pass: the machine read low, not this build"))
         out.append(r)
     return out
 

@@ -1,6 +1,9 @@
 """The CPU expert kernel on one Mixtral-8x7B expert (4096 x 14336, 352 MB bf16):
 - against torch's bf16 expert on the same weights (speedup), at 1, 4, 16 and 64 tokens;
 - against the independent read limit (fiddler.kernels.read_limit), measured in the same rounds;
+- against its roofline, max(bytes / read limit, FLOPs / compute peak), with the compute peak of this host
+  measured in the same rounds (fiddler.kernels.roofline.PeakProbe: the better of torch's bf16 matmul and the
+  kernel's own best), at 1 to 512 tokens;
 - the weight stream's active prefetch against the best candidate measured here at 1 token, which
   catches a per-CPU default that is wrong for this CPU.
 
@@ -16,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 import fiddler.kernels as fk
+from fiddler.kernels import roofline
 
 from .conftest import interleaved, record_ratio
 
 HIDDEN, FFN = 4096, 14336
-TOKENS = (1, 4, 16, 64)
+TOKENS = (1, 4, 16, 64, 256, 512)
 LIMIT_BYTES = 1 << 30  # the limit's buffer in the rounds: big enough to leave any cache, quick to read
 
 
@@ -50,13 +54,20 @@ def limit_buf():
     return fk.limit_buffer(LIMIT_BYTES)
 
 
+@pytest.fixture(scope="module")
+def peak():
+    return roofline.PeakProbe("bf16")
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_kernel(benchmark, experts, limit_buf, rounds, tokens):
+def test_kernel(benchmark, experts, limit_buf, peak, rounds, tokens):
     torch_w, packed, weight_bytes = experts
     n = len(packed)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
     out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
     torch.set_num_threads(fk.get_num_threads())
+
+    flops = roofline.expert_flops(HIDDEN, FFN, tokens)
 
     def limit(i):
         gbps = fk.read_limit(repeats=1, buffer=limit_buf)["gbps"]
@@ -64,14 +75,24 @@ def test_kernel(benchmark, experts, limit_buf, rounds, tokens):
 
     # The kernel runs right after the limit's reads (not after a torch op, whose OpenMP threads
     # busy-wait for a while after a parallel region and would share the cores with it).
+    peak.reset()
     best = interleaved(benchmark, {
         "limit_s": limit,
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
         "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
+        "peak_s": lambda i: peak.best_s(),  # the compute peak in the same rounds: a busy moment lowers both
     }, 2 * rounds, warmup=2)
     feats = fk.features()
     path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes)
+    # the roofline of the round with the best limit: max(its memory time, the compute peak's time)
+    gflops = peak.flops / best["peak_s"] / 1e9
+    roof_s = roofline.roofline_s(weight_bytes, flops, weight_bytes / best["limit_s"] / 1e9, gflops)
+    record_ratio(benchmark, f"kernel_vs_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
+                 {**best, "roofline_s": roof_s},
+                 f"roofline time / kernel time, {tokens} token(s) (compute peak {gflops:.0f} GFLOP/s by "
+                 f"{peak.winner()}, the better of {', '.join(peak.sources)})", peak_gflops=gflops,
+                 peak_by=peak.winner(), flops=flops, **common)
     record_ratio(benchmark, f"kernel_vs_torch_t{tokens}", best["torch_s"] / best["kernel_s"], "higher",
                  best, f"torch bf16 expert time / kernel time, {tokens} token(s)", **common)
     record_ratio(benchmark, f"kernel_vs_limit_t{tokens}", best["limit_s"] / best["kernel_s"], "higher",

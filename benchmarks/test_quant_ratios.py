@@ -1,7 +1,10 @@
 """The quantized CPU kernel (llama.cpp's Q8_0 / Q4_0, fiddler.kernels.quant) on one Mixtral-8x7B expert
-(4096 x 14336: 187 MB at Q8_0, 99 MB at Q4_0) at one token, against the independent read limit measured
-in the same rounds, in the mode this CPU uses by default. Like the engine, every call streams its
-expert from DRAM (the copies exceed the caches).
+(4096 x 14336: 187 MB at Q8_0, 99 MB at Q4_0) at 1, 4 and 16 tokens, in the mode this CPU uses by
+default: at one token against the independent read limit measured in the same rounds, and at each
+count against its roofline, max(bytes / read limit, operations / compute peak), with the compute peak
+of this host for the format measured in the same rounds (fiddler.kernels.roofline.PeakProbe: the better
+of torch's int8 matmul and the kernel's own best). Like the engine, every call streams its expert from
+DRAM (the copies exceed the caches).
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 import torch
 
 import fiddler.kernels as fk
+from fiddler.kernels import roofline
 
 from .conftest import interleaved, record_ratio
 
@@ -23,10 +27,11 @@ def limit_buf():
     return fk.limit_buffer(LIMIT_BYTES)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_quant_kernel(benchmark, limit_buf, rounds, fmt):
+@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+def quant_experts(request, limit_buf):
     from fiddler.kernels import quant as fq
 
+    fmt = request.param
     g = torch.Generator().manual_seed(0)
     e0 = fq.QuantExpert.from_float(torch.randn(FFN, HIDDEN, generator=g) * HIDDEN**-0.5,
                                    torch.randn(FFN, HIDDEN, generator=g) * HIDDEN**-0.5,
@@ -34,17 +39,39 @@ def test_quant_kernel(benchmark, limit_buf, rounds, fmt):
     w13, w2 = e0.packed()
     copies = max(2, min(24, -(-fk.stream_working_set_bytes() // e0.nbytes)))
     experts = [e0] + [fq.QuantExpert.from_packed(fmt, HIDDEN, FFN, w13, w2) for _ in range(copies - 1)]
-    x = torch.randn(1, HIDDEN, generator=g).to(torch.bfloat16)
-    out = torch.empty(1, HIDDEN, dtype=torch.bfloat16)
+    return fmt, experts, roofline.PeakProbe(fmt)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_quant_kernel(benchmark, limit_buf, quant_experts, rounds, tokens):
+    from fiddler.kernels import quant as fq
+
+    fmt, experts, peak = quant_experts
+    e0, copies = experts[0], len(experts)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
 
     def limit(i):
         return e0.nbytes / (fk.read_limit(repeats=1, buffer=limit_buf)["gbps"] * 1e9)
 
+    peak.reset()
     best = interleaved(benchmark, {
         "limit_s": limit,
         "kernel_s": lambda i: experts[i % copies].forward(x, out=out),
-    }, 6 * rounds, warmup=3)  # calls of a few ms: many rounds cost little and steady the ratio
+        "peak_s": lambda i: peak.best_s(),  # the compute peak in the same rounds: a busy moment lowers both
+    }, (6 if tokens == 1 else 2) * rounds, warmup=3)  # calls of a few ms: many rounds cost little and steady the ratio
     mode = fq.mode()
-    record_ratio(benchmark, f"quant_{fmt}_vs_limit_t1", best["limit_s"] / best["kernel_s"], "higher", best,
-                 f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({mode['mode']} on {mode['isa']})",
-                 path=f"{mode['isa']}:{mode['mode']}", weight_bytes=e0.nbytes)
+    common = dict(path=f"{mode['isa']}:{mode['mode']}", weight_bytes=e0.nbytes, tokens=tokens)
+    if tokens == 1:
+        record_ratio(benchmark, f"quant_{fmt}_vs_limit_t1", best["limit_s"] / best["kernel_s"], "higher", best,
+                     f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({mode['mode']} on {mode['isa']})",
+                     **common)
+    flops = roofline.expert_flops(HIDDEN, FFN, tokens)
+    gops = peak.flops / best["peak_s"] / 1e9
+    roof_s = roofline.roofline_s(e0.nbytes, flops, e0.nbytes / best["limit_s"] / 1e9, gops)
+    record_ratio(benchmark, f"quant_{fmt}_vs_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
+                 {**best, "roofline_s": roof_s},
+                 f"roofline time / {fmt} expert time, {tokens} token(s) ({mode['mode']} on {mode['isa']}; compute peak "
+                 f"{gops:.0f} GOP/s by {peak.winner()}, the better of {', '.join(peak.sources)})", peak_gops=gops,
+                 peak_by=peak.winner(), flops=flops, **common)

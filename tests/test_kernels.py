@@ -87,6 +87,40 @@ def test_expert_ffn_matches_reference(path, hidden, ffn):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_call(path):
+    """Many rows go through the GEMM-style blocking (super-blocks of 8 weight blocks, token chunks of 256
+    rows, K chunks of 512), one row through a single stream; both sum each output in the same order, so
+    each row's bits are the same alone or among 270 (two token chunks, two super-blocks, three K chunks)."""
+    use_path(path)
+    hidden, ffn, tokens = (1100, 300, 270) if path != "generic" else (600, 300, 40)
+    x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed=11)
+    pe = fk.PackedExpert(w1, w3, w2)
+    lin = fk.PackedLinear(w1)
+    y, z = pe(x), lin.forward(x)
+    for t in (0, 1, 37, 255, 256, tokens - 1):
+        if t < tokens:
+            assert torch.equal(pe(x[t:t + 1].clone()), y[t:t + 1]), f"expert row {t}"
+            assert torch.equal(lin.forward(x[t:t + 1].clone()), z[t:t + 1]), f"linear row {t}"
+    many = fk.moe_ffn([pe, pe], torch.tensor([0.25, 0.75], dtype=torch.bfloat16), x)
+    one = fk.moe_ffn([pe, pe], torch.tensor([0.25, 0.75], dtype=torch.bfloat16), x[5:6].clone())
+    assert torch.equal(many[5:6], one)
+
+
+@pytest.mark.parametrize("path", ["amx_emulated", PATHS[-1]])
+def test_no_tile_state_outlives_a_call(path):
+    """The tile palette is loaded once per thread and region; torch's own AMX GEMM (oneDNN configures
+    tiles its own way) between two calls on the same thread must change nothing."""
+    use_path(path)
+    x, w1, w3, w2 = expert_case(256, 200, 70, seed=5)
+    pe = fk.PackedExpert(w1, w3, w2)
+    first = pe(x)
+    for threads in (1, None):
+        a = torch.randn(300, 512).to(torch.bfloat16)
+        torch.nn.functional.linear(a, torch.randn(700, 512).to(torch.bfloat16))  # oneDNN, AMX where present
+        assert torch.equal(pe.forward(x, threads=threads), first)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=25, deadline=None)
 @given(hidden=st.integers(1, 160), ffn=st.integers(1, 200), tokens=st.integers(1, 70), seed=st.integers(0, 2**16))
 def test_expert_ffn_random_shapes(path, hidden, ffn, tokens, seed):

@@ -92,6 +92,9 @@ struct IsaOps {
   // reads n bytes (n multiple of 256, p 64-byte aligned) with the widest loads, prefetching with
   // `hint` (StreamHint) `dist` bytes ahead; returns a checksum. The bandwidth probe's read.
   uint64_t (*read)(const void* p, int64_t n, int hint, int64_t dist);
+  // called on a thread when its share of a region ends (after its last mk call): releases per-thread
+  // state such as the AMX tile configuration; null where a path keeps none
+  void (*done)();
 };
 
 extern const IsaOps kGenericOps;

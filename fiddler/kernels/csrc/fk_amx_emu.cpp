@@ -68,6 +68,6 @@ void emu_dp(int c, int a, int b) {
 }  // namespace
 
 extern const IsaOps kAmxEmuOps = {"amx_emulated", 32, amx_mk, silu_mul_generic, store_generic,
-                                  read_generic};
+                                  read_generic, amx_done};
 
 }  // namespace fk

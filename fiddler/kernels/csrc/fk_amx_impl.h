@@ -16,8 +16,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-static void amx_mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
-                   float* acc, bool accumulate, const char*, int64_t) {
+// The tile palette is loaded once per thread and region, not per call (LDTILECFG and TILERELEASE cost
+// about as much as a few tile products): amx_mk loads it on a thread's first call and the driver calls
+// amx_done when the thread's share of the region ends, so no tile state outlives a kernel call (other
+// libraries on the same thread, e.g. oneDNN, configure tiles their own way).
+thread_local bool t_amx_configured = false;
+
+static void amx_begin() {
+  if (t_amx_configured) return;
   TileConfig cfg = {};
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) {
@@ -25,6 +31,26 @@ static void amx_mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t
     cfg.colsb[t] = 64;
   }
   TILE_CONFIG(&cfg);
+  t_amx_configured = true;
+}
+
+static void amx_done() {
+  if (!t_amx_configured) return;
+  TILE_RELEASE();
+  t_amx_configured = false;
+}
+
+// Weights this call reads from DRAM (a lone token group) are pulled into L2 kAmxAhead bytes ahead of
+// the tile loads; a call whose weights were pulled earlier pulls its share of the next piece (pf,
+// pf_lines), spread over its k steps, so the stream never waits for the tiles.
+#ifndef FK_AMX_AHEAD
+#define FK_AMX_AHEAD 4096
+#endif
+constexpr int64_t kAmxAhead = FK_AMX_AHEAD;
+
+static void amx_mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
+                   float* acc, bool accumulate, const char* pf, int64_t pf_lines) {
+  amx_begin();
   const bool two = m > 16;
   const char* wb = reinterpret_cast<const char*>(w);
   const int64_t xs = ldx * 2;  // bytes between token rows
@@ -41,7 +67,19 @@ static void amx_mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t
     TILE_ZERO(2);
     TILE_ZERO(3);
   }
+  const int64_t steps = kpairs / 16;
+  const bool streaming = pf_lines <= 0;
+  const int64_t per = streaming ? 0 : (pf_lines + steps - 1) / steps;
   for (int64_t kp = 0; kp < kpairs; kp += 16) {
+    if (streaming) {
+      const char* ahead = wb + kp * 128 + kAmxAhead;
+      for (int l = 0; l < 32; ++l) __builtin_prefetch(ahead + 64 * l, 0, 2);
+    } else {
+      const int64_t n = per < pf_lines ? per : pf_lines;
+      for (int64_t l = 0; l < n; ++l) __builtin_prefetch(pf + 64 * l, 0, 2);
+      pf += 64 * n;
+      pf_lines -= n;
+    }
     TILE_LOAD(4, x + 2 * kp, xs);
     TILE_LOAD(6, wb + kp * 128, 128);
     TILE_LOAD(7, wb + kp * 128 + 64, 128);
@@ -59,5 +97,4 @@ static void amx_mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t
     TILE_STORE(2, acc + 16 * 32, 128);
     TILE_STORE(3, acc + 16 * 32 + 16, 128);
   }
-  TILE_RELEASE();
 }

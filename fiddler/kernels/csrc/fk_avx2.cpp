@@ -152,7 +152,7 @@ uint64_t read_avx2(const void* p, int64_t n, int hint, int64_t dist) {
 
 }  // namespace
 
-extern const IsaOps kAvx2Ops = {"avx2", kMr, mk_avx2, silu_mul_avx2, store_avx2, read_avx2};
+extern const IsaOps kAvx2Ops = {"avx2", kMr, mk_avx2, silu_mul_avx2, store_avx2, read_avx2, nullptr};
 
 }  // namespace fk
 

@@ -147,7 +147,7 @@ uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist) {
 }
 
 extern const IsaOps kAvx512Ops = {"avx512_bf16", kMr, mk_avx512, silu_mul_avx512_bf16,
-                                  store_avx512_bf16, read_avx512_bf16};
+                                  store_avx512_bf16, read_avx512_bf16, nullptr};
 
 }  // namespace fk
 

@@ -140,6 +140,7 @@ bool amx_selfcheck() {
       kAvx512Ops.mk(w, kPairs, x + t0 * kK, kK, m, a + t0 * kBlockN, false, nullptr, 0);
     }
     kAmxOps.mk(w, kPairs, x, kK, int(kM), b, false, nullptr, 0);
+    kAmxOps.done();
     if (std::memcmp(a, b, sizeof a) != 0) {
       g_amx_status = "disabled: the AMX self-check disagreed with the AVX512-BF16 path";
       return false;

@@ -57,18 +57,19 @@ const uint16_t* prepare_x(const uint16_t* x, int64_t tokens, int64_t k, int64_t 
   return buf;
 }
 
-// acc[g][rows][kBlockN] = x[rows][:] . W_g[block nb]^T for each of the `groups` interleaved matrices.
-void block_product(const Plan& p, const uint8_t* packed, int groups, int64_t k_pad, int64_t nb,
-                   const uint16_t* x, int64_t ldx, float* acc) {
+// acc[g][rows][kBlockN] = x[rows][:] . W_g^T for the `groups` interleaved matrices of one packed block
+// (all its groups, from `blk`): the path for rows that one or a few micro-kernel calls cover.
+void block_product(const Plan& p, const uint8_t* blk, int groups, int64_t k_pad, const uint16_t* x,
+                   int64_t ldx, float* acc) {
   const int64_t bb = block_bytes(k_pad);
   const int mr = p.ops->mr;
   const int64_t n_groups_t = (p.rows + mr - 1) / mr;
   for (int g = 0; g < groups; ++g) {
-    const uint8_t* blk = packed + (nb * groups + g) * bb;
+    const uint8_t* bg = blk + g * bb;
     float* ag = acc + g * p.rows * kBlockN;
     for (int64_t k0 = 0; k0 < k_pad; k0 += kChunkK) {
       const int64_t kpairs = std::min(kChunkK, k_pad - k0) / 2;
-      const char* wk = reinterpret_cast<const char*>(blk + k0 / 2 * kBlockN * 4);
+      const char* wk = reinterpret_cast<const char*>(bg + k0 / 2 * kBlockN * 4);
       // With several token groups the chunk is reused from L2 and the work is compute-bound, so
       // each group also pulls its share of the next chunk (the following bytes of the stream) into
       // cache: DRAM time hides under compute. Token groups have near-equal sizes (AMX: 32/16 rows,
@@ -87,16 +88,98 @@ void block_product(const Plan& p, const uint8_t* packed, int groups, int64_t k_p
   }
 }
 
-template <class Epilogue>
-void run_blocks(const Plan& p, const uint8_t* packed, int groups, int64_t n_blocks,
-                int64_t k_pad, const uint16_t* x, int64_t ldx, int threads,
-                const Epilogue& epi) {
-  pool().run(threads, n_blocks, 1, [&](int64_t b0, int64_t b1) {
-    float* acc = scratch(t_acc, size_t(groups * p.rows * kBlockN));
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      block_product(p, packed, groups, k_pad, nb, x, ldx, acc);
-      epi(nb, acc);
+// What a pooled product region computes for item i: `block`, one packed block with all its groups,
+// times the rows `x` (row stride ldx).
+struct Piece {
+  const uint8_t* block;
+  const uint16_t* x;
+  int64_t ldx;
+};
+
+// Blocking for many token rows, GEMM-style, so that the weights still stream from DRAM once (up to
+// kTokenChunk rows) while both operands are reused from cache instead of re-read from L3:
+//  - a pool item is a super-block of kSuperBlocks consecutive items (256 weight rows);
+//  - token rows go kTokenChunk at a time; their fp32 accumulators for the super-block (<= 512 KiB)
+//    stay in L2;
+//  - K goes kManyChunkK columns at a time: one block's piece (32 x 512 bf16, 32 KiB) stays in L1 while
+//    every token group uses it, and the rows' piece (<= 256 x 512 bf16) in L2 while every block does.
+//  Along the way each piece's calls pull the piece this thread reads after it into L2 (the same
+//  block's next K chunk, else the next token chunk's or the next super-block's first), so the DRAM
+//  stream runs under the compute.
+// The sum over K runs in the same order as block_product's (fp32 accumulators stored and reloaded
+// exactly), so results are the same bits whichever blocking runs.
+constexpr int64_t kSuperBlocks = 8, kTokenChunk = 256, kManyChunkK = 512;
+
+template <class Src, class Epi>
+void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items, int threads,
+                       const Src& src, const Epi& epi) {
+  const int64_t bb = block_bytes(k_pad);
+  const int mr = p.ops->mr;
+  const int64_t mc_max = std::min<int64_t>(kTokenChunk, p.rows);
+  const int64_t n_super = (n_items + kSuperBlocks - 1) / kSuperBlocks;
+  pool().run(std::min<int64_t>(threads, n_super), n_super, 1, [&](int64_t s0, int64_t s1) {
+    float* acc = scratch(t_acc, size_t(kSuperBlocks * groups * mc_max * kBlockN));
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t i0 = s * kSuperBlocks, i1 = std::min(n_items, i0 + kSuperBlocks);
+      for (int64_t m0 = 0; m0 < p.rows; m0 += mc_max) {
+        const int64_t mc = std::min(mc_max, p.rows - m0);
+        const int64_t calls = (mc + mr - 1) / mr;  // token groups per piece
+        for (int64_t k0 = 0; k0 < k_pad; k0 += kManyChunkK) {
+          const int64_t kk = std::min(kManyChunkK, k_pad - k0);
+          // the chunk this thread reads after this one: the next K chunk, else K chunk 0 of the
+          // next token chunk (the same blocks) or of the next super-block in this thread's range
+          int64_t nk0 = k0 + kManyChunkK, ni0 = i0;
+          if (nk0 >= k_pad) {
+            nk0 = 0;
+            if (m0 + mc >= p.rows) ni0 = s + 1 < s1 ? i0 + kSuperBlocks : -1;
+          }
+          const int64_t next_lines = ni0 >= 0 && ni0 < n_items ? std::min(kManyChunkK, k_pad - nk0) : 0;
+          const int64_t pf_per_call = (next_lines + calls - 1) / calls;
+          for (int64_t i = i0; i < i1; ++i) {
+            const Piece pc = src(i);
+            const int64_t ni = ni0 + (i - i0);
+            const uint8_t* nblk = next_lines && ni < n_items ? src(ni).block : nullptr;
+            for (int g = 0; g < groups; ++g) {
+              const char* wk = reinterpret_cast<const char*>(pc.block + g * bb + k0 / 2 * kBlockN * 4);
+              const char* pf = nblk ? reinterpret_cast<const char*>(nblk + g * bb + nk0 / 2 * kBlockN * 4) : nullptr;
+              float* ag = acc + ((i - i0) * groups + g) * mc * kBlockN;
+              int64_t left = nblk ? next_lines : 0;  // 64-byte lines of the next piece (kk_next lines)
+              for (int64_t t0 = m0; t0 < m0 + mc; t0 += mr) {
+                const int m = int(std::min<int64_t>(mr, m0 + mc - t0));
+                const int64_t n = std::min(left, pf_per_call);
+                p.ops->mk(reinterpret_cast<const uint16_t*>(wk), kk / 2, pc.x + t0 * pc.ldx + k0, pc.ldx, m,
+                          ag + (t0 - m0) * kBlockN, k0 > 0, pf, n);
+                if (pf) pf += 64 * n;
+                left -= n;
+              }
+            }
+          }
+        }
+        for (int64_t i = i0; i < i1; ++i) epi(i, acc + (i - i0) * groups * mc * kBlockN, m0, mc);
+      }
     }
+    if (p.ops->done) p.ops->done();
+  });
+}
+
+// One pooled region over n_items items (src(i): the item's Piece): acc[g][rows][32] of each item, then
+// epi(i, acc, t0, m) for its token rows [t0, t0 + m) (acc row t - t0, group stride m x 32). Rows that
+// one micro-kernel call covers stream each block once (block_product); more rows are blocked.
+template <class Src, class Epi>
+void product_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items, int threads, const Src& src,
+                    const Epi& epi) {
+  if (p.rows > p.ops->mr) {
+    many_token_region(p, groups, k_pad, n_items, threads, src, epi);
+    return;
+  }
+  pool().run(threads, n_items, 1, [&](int64_t b0, int64_t b1) {
+    float* acc = scratch(t_acc, size_t(groups * p.rows * kBlockN));
+    for (int64_t i = b0; i < b1; ++i) {
+      const Piece pc = src(i);
+      block_product(p, pc.block, groups, k_pad, pc.x, pc.ldx, acc);
+      epi(i, acc, int64_t(0), p.rows);
+    }
+    if (p.ops->done) p.ops->done();
   });
 }
 
@@ -163,19 +246,21 @@ int expert_ffn(const void* p13, const void* p2, int64_t hidden, int64_t ffn,
   const auto* w13 = static_cast<const uint8_t*>(p13);
   const auto* w2 = static_cast<const uint8_t*>(p2);
 
-  run_blocks(p, w13, 2, nb_f, kp_h, xp, ldx, thread_count(threads, nb_f, 2 * nb_f * block_bytes(kp_h), tokens),
-             [&](int64_t nb, const float* acc) {
-               const float* a1 = acc;
-               const float* a3 = acc + p.rows * kBlockN;
-               for (int64_t t = 0; t < p.rows; ++t)
-                 p.ops->silu_mul(a1 + t * kBlockN, a3 + t * kBlockN, kBlockN, h + t * ldh + nb * kBlockN);
-             });
-  run_blocks(p, w2, 1, nb_h, kp_f, h, ldh, thread_count(threads, nb_h, nb_h * block_bytes(kp_f), tokens),
-             [&](int64_t nb, const float* acc) {
-               const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
-               for (int64_t t = 0; t < tokens; ++t)
-                 p.ops->store(acc + t * kBlockN, nullptr, n, y + t * hidden + nb * kBlockN, false);
-             });
+  const int64_t bb_h = block_bytes(kp_h), bb_f = block_bytes(kp_f);
+  product_region(p, 2, kp_h, nb_f, thread_count(threads, nb_f, 2 * nb_f * bb_h, tokens),
+                 [&](int64_t nb) { return Piece{w13 + nb * 2 * bb_h, xp, ldx}; },
+                 [&](int64_t nb, const float* acc, int64_t t0, int64_t m) {
+                   for (int64_t t = 0; t < m; ++t)
+                     p.ops->silu_mul(acc + t * kBlockN, acc + (m + t) * kBlockN, kBlockN,
+                                     h + (t0 + t) * ldh + nb * kBlockN);
+                 });
+  product_region(p, 1, kp_f, nb_h, thread_count(threads, nb_h, nb_h * bb_f, tokens),
+                 [&](int64_t nb) { return Piece{w2 + nb * bb_f, h, ldh}; },
+                 [&](int64_t nb, const float* acc, int64_t t0, int64_t m) {
+                   const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
+                   for (int64_t t = t0; t < std::min(tokens, t0 + m); ++t)
+                     p.ops->store(acc + (t - t0) * kBlockN, nullptr, n, y + t * hidden + nb * kBlockN, false);
+                 });
   return 0;
 }
 
@@ -199,35 +284,35 @@ int moe_ffn(const void* const* p13, const void* const* p2, const uint16_t* w, in
   int64_t ldx;
   const uint16_t* xp = prepare_x(x, tokens, hidden, p.rows, kp_h, &ldx);
   uint16_t* h = scratch(t_h, size_t(n_experts * h_stride));
-  const int64_t items1 = n_experts * nb_f;
-  pool().run(thread_count(threads, items1, 2 * items1 * block_bytes(kp_h), tokens), items1, 1,
-             [&](int64_t i0, int64_t i1) {
-               float* acc = scratch(t_acc, size_t(2 * p.rows * kBlockN));
-               for (int64_t i = i0; i < i1; ++i) {
-                 const int64_t e = i / nb_f, nb = i % nb_f;
-                 block_product(p, static_cast<const uint8_t*>(p13[e]), 2, kp_h, nb, xp, ldx, acc);
-                 uint16_t* he = h + e * h_stride;
-                 for (int64_t t = 0; t < p.rows; ++t)
-                   p.ops->silu_mul(acc + t * kBlockN, acc + (p.rows + t) * kBlockN, kBlockN,
-                                   he + t * ldh + nb * kBlockN);
-               }
-             });
+  const int64_t items1 = n_experts * nb_f, bb_h = block_bytes(kp_h), bb_f = block_bytes(kp_f);
+  product_region(p, 2, kp_h, items1, thread_count(threads, items1, 2 * items1 * bb_h, tokens),
+                 [&](int64_t i) {
+                   return Piece{static_cast<const uint8_t*>(p13[i / nb_f]) + i % nb_f * 2 * bb_h, xp, ldx};
+                 },
+                 [&](int64_t i, const float* acc, int64_t t0, int64_t m) {
+                   const int64_t e = i / nb_f, nb = i % nb_f;
+                   uint16_t* he = h + e * h_stride;
+                   for (int64_t t = 0; t < m; ++t)
+                     p.ops->silu_mul(acc + t * kBlockN, acc + (m + t) * kBlockN, kBlockN,
+                                     he + (t0 + t) * ldh + nb * kBlockN);
+                 });
   // Down passes: items are (expert, block) in expert-major order, so each thread streams contiguous
   // weight ranges and the last item of the region is one 32-row block of one expert (a short tail).
   // Each expert's output is rounded to bf16 as it is stored; the weighted sum follows the region.
   uint16_t* ye = scratch(t_y, size_t(n_experts * tokens * hidden));
   const int64_t items2 = n_experts * nb_h;
-  pool().run(thread_count(threads, items2, items2 * block_bytes(kp_f), tokens), items2, 1,
-             [&](int64_t i0, int64_t i1) {
-               float* acc = scratch(t_acc, size_t(p.rows * kBlockN));
-               for (int64_t i = i0; i < i1; ++i) {
-                 const int64_t e = i / nb_h, nb = i % nb_h;
-                 block_product(p, static_cast<const uint8_t*>(p2[e]), 1, kp_f, nb, h + e * h_stride, ldh, acc);
-                 const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
-                 for (int64_t t = 0; t < tokens; ++t)
-                   p.ops->store(acc + t * kBlockN, nullptr, n, ye + (e * tokens + t) * hidden + nb * kBlockN, false);
-               }
-             });
+  product_region(p, 1, kp_f, items2, thread_count(threads, items2, items2 * bb_f, tokens),
+                 [&](int64_t i) {
+                   const int64_t e = i / nb_h;
+                   return Piece{static_cast<const uint8_t*>(p2[e]) + i % nb_h * bb_f, h + e * h_stride, ldh};
+                 },
+                 [&](int64_t i, const float* acc, int64_t t0, int64_t m) {
+                   const int64_t e = i / nb_h, nb = i % nb_h;
+                   const int64_t n = std::min<int64_t>(kBlockN, hidden - nb * kBlockN);
+                   for (int64_t t = t0; t < std::min(tokens, t0 + m); ++t)
+                     p.ops->store(acc + (t - t0) * kBlockN, nullptr, n, ye + (e * tokens + t) * hidden + nb * kBlockN,
+                                  false);
+                 });
   combine_experts(ye, w, n_experts, tokens * hidden, y);
   return 0;
 }
@@ -254,14 +339,16 @@ int linear(const void* packed, int64_t n, int64_t k, const uint16_t* x, int64_t 
   const size_t es = out_f32 ? 4 : 2;
   int64_t ldx;
   const uint16_t* xp = prepare_x(x, tokens, k, p.rows, kp, &ldx);
-  run_blocks(p, static_cast<const uint8_t*>(packed), 1, n_blocks, kp, xp, ldx,
-             thread_count(threads, n_blocks, n_blocks * block_bytes(kp), tokens),
-             [&](int64_t nb, const float* acc) {
-               const int64_t nv = std::min<int64_t>(kBlockN, n - nb * kBlockN);
-               for (int64_t t = 0; t < tokens; ++t)
-                 p.ops->store(acc + t * kBlockN, bias ? bias + nb * kBlockN : nullptr, nv,
-                              static_cast<char*>(y) + (t * n + nb * kBlockN) * es, out_f32);
-             });
+  const int64_t bb = block_bytes(kp);
+  const auto* w = static_cast<const uint8_t*>(packed);
+  product_region(p, 1, kp, n_blocks, thread_count(threads, n_blocks, n_blocks * bb, tokens),
+                 [&](int64_t nb) { return Piece{w + nb * bb, xp, ldx}; },
+                 [&](int64_t nb, const float* acc, int64_t t0, int64_t m) {
+                   const int64_t nv = std::min<int64_t>(kBlockN, n - nb * kBlockN);
+                   for (int64_t t = t0; t < std::min(tokens, t0 + m); ++t)
+                     p.ops->store(acc + (t - t0) * kBlockN, bias ? bias + nb * kBlockN : nullptr, nv,
+                                  static_cast<char*>(y) + (t * n + nb * kBlockN) * es, out_f32);
+                 });
   return 0;
 }
 

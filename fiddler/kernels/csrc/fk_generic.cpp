@@ -60,6 +60,6 @@ uint64_t read_generic(const void* p, int64_t n, int hint, int64_t dist) {
 }
 
 extern const IsaOps kGenericOps = {"generic", 4, mk_generic, silu_mul_generic, store_generic,
-                                   read_generic};
+                                   read_generic, nullptr};
 
 }  // namespace fk

@@ -106,6 +106,18 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_call(path):
     assert torch.equal(many[5:6], one)
 
 
+def test_many_token_blocking_is_derived_from_the_caches():
+    """K chunk: a 32-row block's piece within 2/3 of L1d; token chunk: a super-block's accumulators and
+    the rows' piece within 3/8 of L2 (fk_tuning.cpp)."""
+    assert fk.blocking(48 << 10, 2 << 20) == {"k_chunk": 512, "token_chunk": 256, "super_blocks": 8,
+                                               "l1d": 48 << 10, "l2": 2 << 20}
+    assert fk.blocking(32 << 10, 256 << 10)["k_chunk"] == 256 and fk.blocking(32 << 10, 256 << 10)["token_chunk"] == 32
+    assert fk.blocking(48 << 10, 1 << 20)["token_chunk"] == 128
+    assert fk.blocking(1 << 20, 64 << 20)["k_chunk"] == 2048 and fk.blocking(1 << 20, 64 << 20)["token_chunk"] == 512
+    here = fk.features()["blocking"]
+    assert here["k_chunk"] in (128, 256, 512, 1024, 2048) and here["token_chunk"] % 32 == 0 and here["l1d"] > 0
+
+
 @pytest.mark.parametrize("path", ["amx_emulated", PATHS[-1]])
 def test_no_tile_state_outlives_a_call(path):
     """The tile palette is loaded once per thread and region; torch's own AMX GEMM (oneDNN configures

@@ -27,7 +27,7 @@ from . import _lib
 __all__ = [
     "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "set_amx", "features", "set_num_threads",
     "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "read_limit", "limit_buffer", "stream_working_set_bytes",
-    "is_available", "load_error",
+    "is_available", "load_error", "blocking",
 ]
 
 _ISA_CODES = {"generic": 0, "avx2": 1, "avx512_bf16": 2}
@@ -170,8 +170,18 @@ def features() -> dict:
         amx_min_tokens_source=_AMX_CHOICE.get("source"),
         amx_status=L.fk_amx_status().decode(),
         stream=stream(),
+        blocking=blocking(),
     )
     return out
+
+
+def blocking(l1d: int = 0, l2: int = 0) -> dict:
+    """The blocking of many-token products (more rows than one micro-kernel call takes), derived from the
+    cache sizes of this CPU (or of the given ones, both > 0): {"k_chunk", "token_chunk", "super_blocks",
+    "l1d", "l2"}. Results do not depend on it (the same bits for every blocking)."""
+    out = (ctypes.c_int64 * 5)()
+    _L().fk_blocking(int(l1d), int(l2), out)
+    return dict(zip(("k_chunk", "token_chunk", "super_blocks", "l1d", "l2"), (int(v) for v in out)))
 
 
 def set_num_threads(n: int | None) -> None:

@@ -98,21 +98,21 @@ struct Piece {
 
 // Blocking for many token rows, GEMM-style, so that the weights still stream from DRAM once (up to
 // kTokenChunk rows) while both operands are reused from cache instead of re-read from L3:
-//  - a pool item is a super-block of kSuperBlocks consecutive items (256 weight rows);
-//  - token rows go kTokenChunk at a time; their fp32 accumulators for the super-block (<= 512 KiB)
-//    stay in L2;
-//  - K goes kManyChunkK columns at a time: one block's piece (32 x 512 bf16, 32 KiB) stays in L1 while
-//    every token group uses it, and the rows' piece (<= 256 x 512 bf16) in L2 while every block does.
+//  - a pool item is a super-block of `super_blocks` consecutive items (8: 256 weight rows);
+//  - token rows go `token_chunk` at a time; their fp32 accumulators for the super-block stay in L2;
+//  - K goes `k_chunk` columns at a time: one block's piece (32 x 512 bf16, 32 KiB, on a 48 KiB L1d)
+//    stays in L1 while every token group uses it, and the rows' piece in L2 while every block does.
+//  The sizes come from this CPU's caches (blocking(), fk_tuning.cpp).
 //  Along the way each piece's calls pull the piece this thread reads after it into L2 (the same
 //  block's next K chunk, else the next token chunk's or the next super-block's first), so the DRAM
 //  stream runs under the compute.
 // The sum over K runs in the same order as block_product's (fp32 accumulators stored and reloaded
 // exactly), so results are the same bits whichever blocking runs.
-constexpr int64_t kSuperBlocks = 8, kTokenChunk = 256, kManyChunkK = 512;
-
 template <class Src, class Epi>
 void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items, int threads,
                        const Src& src, const Epi& epi) {
+  const Blocking& bk = blocking();
+  const int64_t kSuperBlocks = bk.super_blocks, kTokenChunk = bk.token_chunk, kManyChunkK = bk.k_chunk;
   const int64_t bb = block_bytes(k_pad);
   const int mr = p.ops->mr;
   const int64_t mc_max = std::min<int64_t>(kTokenChunk, p.rows);

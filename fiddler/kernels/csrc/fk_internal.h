@@ -71,6 +71,14 @@ int default_threads();
 int set_stream_tuning(int hint, int64_t distance, int64_t far, const char* source);
 const char* stream_tuning_source();
 
+// Blocking of many-token products: K chunk (columns), token chunk (rows), weight blocks per pool
+// item, and the cache sizes (bytes) they were derived from (0 read as unknown: 32 KiB / 1 MiB).
+struct Blocking {
+  int64_t k_chunk, token_chunk, super_blocks, l1d, l2;
+};
+Blocking derive_blocking(int64_t l1d, int64_t l2);
+const Blocking& blocking();  // this CPU's, derived once
+
 // ---------------------------------------------------------------- thread pool (fk_pool.cpp)
 // Persistent workers plus the calling thread share a job's items (weight blocks) dynamically:
 // each participant repeatedly claims the next contiguous range (guided sizes: large first, small at

@@ -1,11 +1,14 @@
 // Per-CPU knobs of the weight stream: the software prefetch hint and distance a vector path uses
-// when it reads a weight block once from DRAM (1..12 tokens, the decode regime).
+// when it reads a weight block once from DRAM (1..12 tokens, the decode regime); and the blocking of
+// many-token products, sized from this CPU's caches (below).
 //
 // The default comes from a per-vendor table backed by measurements (below); fiddler.kernels lets an
 // environment variable (FIDDLER_KERNEL_STREAM) override it, and can measure the candidates on the
 // running machine and keep the fastest (fiddler.kernels.tune_stream). The choice is reported by
 // fiddler.kernels.features() and in benchmark records.
 #include <cstring>
+
+#include <unistd.h>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -120,6 +123,36 @@ const char* stream_tuning_source() {
   ensure_default();
   std::lock_guard<std::mutex> g(g_source_mu);
   return g_source.c_str();  // stable until the next set_stream_tuning
+}
+
+// Many-token blocking (fk_driver.cpp's many_token_region), from the caches of the CPU it runs on:
+// - K chunk: the largest power of two (128..2048) whose piece of one 32-row block (32 x kc bf16)
+//   fills at most 2/3 of L1d, so it stays there while every token group of the chunk uses it;
+// - token chunk: the largest multiple of 32 (32..512) whose fp32 accumulators for a super-block
+//   (kSuperBlocks x 2 groups x 32 rows) plus its rows' piece (kc bf16 each) fill at most 3/8 of L2,
+//   leaving room for the next piece the calls pull in.
+// Measured on an Intel Xeon (Emerald Rapids, 48 KiB L1d, 2 MiB L2): kc 512 and 256 rows, as derived.
+Blocking derive_blocking(int64_t l1d, int64_t l2) {
+  Blocking b{};
+  b.l1d = l1d > 0 ? l1d : 32 << 10;
+  b.l2 = l2 > 0 ? l2 : 1 << 20;
+  b.super_blocks = 8;
+  b.k_chunk = 128;
+  while (b.k_chunk < 2048 && 32 * (2 * b.k_chunk) * 2 <= b.l1d * 2 / 3) b.k_chunk *= 2;
+  const int64_t per_row = b.super_blocks * 2 * kBlockN * 4 + b.k_chunk * 2;
+  b.token_chunk = std::clamp<int64_t>(b.l2 * 3 / 8 / per_row / 32 * 32, 32, 512);
+  return b;
+}
+
+const Blocking& blocking() {
+  static const Blocking b = [] {
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+    return derive_blocking(sysconf(_SC_LEVEL1_DCACHE_SIZE), sysconf(_SC_LEVEL2_CACHE_SIZE));
+#else
+    return derive_blocking(0, 0);
+#endif
+  }();
+  return b;
 }
 
 }  // namespace fk

@@ -76,7 +76,7 @@ def test_checkpoint_mapping_released_after_load(gpu):
 @pytest.mark.xfail(strict=True, reason="issue 22: packing is silently skipped when host memory is short")
 def test_short_host_memory_is_an_error_at_load(monkeypatch):
     psutil = pytest.importorskip("psutil")
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 20, total=1 << 30))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 16, total=1 << 30))
     with pytest.raises(MemoryError, match=r"host memory.*\d+ B"):
         build_executor(CFG, make_experts(dtype=torch.bfloat16), gpu=GpuSide.emulated(BIG), max_seq_len=64,
                        max_batch=1, placement="fraction:0.5", planner="makespan", latency_model=LM_EVEN)

@@ -2,8 +2,8 @@
 
 The budget first pays for everything the GPU must hold regardless of placement -- non-expert weights,
 the KV cache for max_seq_len x max_batch, the executor's copy buffers for experts streamed in over PCIe
-(kind b) and the activations of one forward pass -- each computed from the model shape (see
-`reservation`). What is left holds whole experts: the most popular (layer, expert) pairs first
+(kind b) and the dense expert they are unpacked into, and the activations of one forward pass -- each
+computed from the model shape (see `reservation`). What is left holds whole experts: the most popular (layer, expert) pairs first
 (popularity placement, the paper's policy), a seeded random set (ablation), or an explicit
 fraction/mask (tests).
 
@@ -73,10 +73,13 @@ def _layer_weight_bytes(config, layer: int, dtype: torch.dtype, quant: str | Non
 
 
 def _copy_buffers(config, dtype: torch.dtype, quant: str | None) -> int:
-    """The copy-in buffers; with quant, a copied-in expert is dequantized on the GPU side into one more
-    dense expert's worth."""
-    scratch = int(config.expert_bytes(dtype)) if quant is not None else 0
-    return COPY_BUFFERS * int(config.expert_bytes(dtype, quant)) + scratch
+    """The copy-in buffers: a copied-in expert arrives as the bytes host memory holds (packed, or blocks)."""
+    return COPY_BUFFERS * int(config.expert_bytes(dtype, quant))
+
+
+def _unpack_scratch(config, dtype: torch.dtype) -> int:
+    """A copied-in expert is unpacked (bf16) or dequantized (quant) on the GPU side into one dense expert."""
+    return int(config.expert_bytes(dtype))
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ def _fixed_reservation(config, dtype, max_seq_len, max_batch, quant=None) -> dic
     act = activation_bytes(config, dtype, max_seq_len, max_batch)
     return {"embeddings_and_head": int(config.embedding_params() * dtype.itemsize),
             "expert_copy_buffers": _copy_buffers(config, dtype, quant),
+            "unpack_scratch": _unpack_scratch(config, dtype),
             "activations": int(sum(act.values()))}
 
 
@@ -149,6 +153,7 @@ def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int,
         "non_expert_weights": int(weights),
         "kv_cache": int(kv),
         "expert_copy_buffers": _copy_buffers(config, dtype, quant),
+        "unpack_scratch": _unpack_scratch(config, dtype),
         "activations": int(sum(act.values())),
     }
 

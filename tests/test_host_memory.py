@@ -42,7 +42,6 @@ def host_copies(ex, layer: int, e: int) -> list:
 
 
 @needs_kernel
-@pytest.mark.xfail(strict=True, reason="issue 22: an HF-layout host copy for kind b besides the packed one")
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_no_expert_has_two_host_copies(fraction):
     experts = make_experts(dtype=torch.bfloat16)
@@ -73,7 +72,6 @@ def test_checkpoint_mapping_released_after_load(gpu):
     del engine
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: packing is silently skipped when host memory is short")
 def test_short_host_memory_is_an_error_at_load(monkeypatch):
     psutil = pytest.importorskip("psutil")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 16, total=1 << 30))
@@ -82,7 +80,6 @@ def test_short_host_memory_is_an_error_at_load(monkeypatch):
                        max_batch=1, placement="fraction:0.5", planner="makespan", latency_model=LM_EVEN)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: the first copy-in is issued after every resident expert ran")
 def test_copies_issued_before_resident_experts(monkeypatch):
     import fiddler.executors.orchestrator as orch
 

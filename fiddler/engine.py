@@ -103,7 +103,7 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
     return 1 if kernel_linears else None
 
 
-def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gguf, pin: bool = False):
+def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gguf):
     """Experts (in place) and attention projections as llama.cpp blocks: from a GGUF file, the on-disk
     cache, or quantized now (and cached). Returns (per-layer attention blocks, facts for info())."""
     t = time.perf_counter()
@@ -119,7 +119,7 @@ def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gg
     else:
         cache, source = {}, "quantized at load"
     n_before = len(cache)
-    fquant.quantize_experts(weights.experts, quant, cache, pin=pin)
+    fquant.quantize_experts(weights.experts, quant, cache)
     attn = fquant.quantize_attention(weights, quant, cache)
     if entry is not None and len(cache) > n_before:
         fquant.save_cache(entry, cache)
@@ -196,7 +196,7 @@ class Engine:
         weights = load_weights(path, cfg, dtype=dtype, device=gpu.device, layer_devices=layer_devices)
         quant_info = None
         if quant is not None:
-            attn_blocks, quant_info = _quantize_weights(path, cfg, weights, quant, quant_cache, gguf, gpu.is_cuda)
+            attn_blocks, quant_info = _quantize_weights(path, cfg, weights, quant, quant_cache, gguf)
         ctx = BuildContext(cfg, dtype, gpu, max_seq_len=max_seq_len, max_batch=max_batch, cpu_threads=cpu_threads,
                            seed=seed, quant=quant)
         ex = (executor or FiddlerPolicy())(ctx, weights.experts)

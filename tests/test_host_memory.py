@@ -59,7 +59,6 @@ def test_no_expert_has_two_host_copies(fraction):
                 assert len(copies) == 1, (layer, e, copies)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: bf16 tensors stay views of the safetensors mapping")
 @pytest.mark.parametrize("gpu", [GpuSide.none(), GpuSide.emulated(BIG)], ids=["no-gpu", "emulated"])
 def test_checkpoint_mapping_released_after_load(gpu):
     path = bf16_checkpoint()

@@ -23,6 +23,7 @@ from .config import MoEConfig
 from .executors import BuildContext, ExecutorFactory, ExpertExecutor, FiddlerPolicy
 from .generate import GenerationOutput, generate
 from .gpu_side import GpuSide
+from .hostmem import host_storages
 from .kernel_loader import load_kernels
 from .model import MoETransformer
 from .placement import DensePlacement, dense_placement
@@ -307,9 +308,22 @@ class Engine:
         with torch_threads(self._torch_threads):
             return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
 
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory the engine holds now, by part: dense (non-expert weights, packed or not, rope tables),
+        experts and buffers (the executor's; on an emulated GPU its "device" memory too, which is host memory),
+        kv_cache (the layers whose cache is on the CPU), buffers (plus the model's decode-step buffers)."""
+        m = self.model
+        kv = host_storages(m.cache)
+        bufs = {p: n for p, n in host_storages(m._bufs).items() if p not in kv}
+        dense = host_storages(m, skip=(m.executor, m.cache, m._bufs))
+        ex = self.executor.host_bytes()
+        return {"dense": sum(n for p, n in dense.items() if p not in kv and p not in bufs),
+                "experts": int(ex["experts"]), "kv_cache": sum(kv.values()),
+                "buffers": int(ex["buffers"]) + sum(bufs.values())}
+
     def info(self) -> dict:
-        """Plain facts about the engine and its executor (executor_info)."""
-        return {**self._info, "executor_info": _plain(self.executor.info())}
+        """Plain facts about the engine and its executor (executor_info), and its host memory now."""
+        return {**self._info, "host_bytes": self.host_bytes(), "executor_info": _plain(self.executor.info())}
 
 
 def _plain(x):

@@ -82,3 +82,31 @@ def require_pinned(what: str, tensors) -> None:
     if bad:
         raise RuntimeError(f"{what}: {len(bad)} host tensor(s) feeding non-blocking copies are not pinned "
                            f"(first: #{bad[0]})")
+
+
+def host_storages(*roots, skip=()) -> dict[int, int]:
+    """The host (CPU) storages of the tensors reachable from `roots` through attributes, lists, tuples and
+    dicts, as {data pointer: bytes} (whole storages: what the allocator holds). `skip`: objects not entered."""
+    seen, found = {id(o) for o in skip}, {}
+    stack = list(roots)
+    while stack:
+        o = stack.pop()
+        if o is None or isinstance(o, (int, float, str, bool, bytes, torch.dtype, torch.device)) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.device.type == "cpu":
+                st = o.untyped_storage()
+                found[st.data_ptr()] = st.nbytes()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            stack.extend(vars(o).values())
+    return found
+
+
+def held_bytes(*roots, skip=()) -> int:
+    """Bytes of host_storages(*roots, skip=skip)."""
+    return sum(host_storages(*roots, skip=skip).values())

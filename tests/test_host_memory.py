@@ -96,3 +96,107 @@ def test_copies_issued_before_resident_experts(monkeypatch):
     assert resident > 0 and copied >= 2
     assert [k for k, *_ in events[:2]] == ["copy", "copy"]  # both buffers' copies first
     assert events[2:2 + resident] == [("expert",)] * resident
+
+
+# ---------------------------------------------------------------------------- kind b from the packed bytes
+
+def _all_copied(quant=None):
+    """Executors whose every expert is copied in (kind b): from the packed host copy, and from the plain one
+    (the kernel off, so host memory holds the weights / block bytes as given)."""
+    from fiddler import quant as fquant
+    from fiddler.executors import FiddlerExecutor, Threads
+    from fiddler.placement import place
+
+    experts = make_experts(dtype=torch.bfloat16)
+    if quant is not None:
+        experts = [[type(e)(*(fquant.quantize_blocks(t, quant) for t in (e.w1, e.w3, e.w2))) for e in layer]
+                   for layer in experts]
+    copy_lm = LatencyModel.manual(cpu=(1.0, 10.0), gpu=(1e-6, 1e-5), transfer=1e-4)  # the CPU is hopeless
+    gpu = GpuSide.emulated(BIG)
+    pl = place(CFG, torch.bfloat16, BIG, max_seq_len=64, max_batch=1, strategy="fraction", fraction=0.0, quant=quant)
+    kw = dict(gpu=gpu, dtype=torch.bfloat16, placement=pl, planner="makespan", latency_model=copy_lm,
+              threads=Threads.choose(gpu, torch.bfloat16, None, None), quant=quant)
+    return experts, FiddlerExecutor(CFG, experts, **kw), FiddlerExecutor(CFG, experts, use_kernel=False, **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("quant", [None, "q4_0"], ids=["bf16", "q4_0"])
+def test_kind_b_from_packed_bytes_is_exact(quant):
+    """Kind b copies the packed bytes and unpacks them on the GPU side: bit for bit the weights (bf16) or
+    block bytes (Q4_0) given, so its outputs equal those of copying the plain weights in."""
+    from fiddler.kernels import layout
+
+    experts, packed, plain = _all_copied(quant)
+    assert packed.packed_host and not plain.packed_host
+    for T, seed in ((1, 1), (9, 2), (40, 3)):
+        x, idx, w = routing(T, dtype=torch.bfloat16, seed=seed)
+        for layer in range(CFG.num_layers):
+            assert torch.equal(packed.forward(layer, x, idx, w), plain.forward(layer, x, idx, w))
+    assert packed.stats.tokens == plain.stats.tokens and packed.stats.tokens["c"] == 0
+    assert packed.stats.experts["b"] > 0
+    H, F = CFG.hidden_size, CFG.intermediate_size
+    for layer in range(CFG.num_layers):
+        for e, given in enumerate(experts[layer]):
+            w13, w2 = packed.packed[layer][e].packed()
+            assert all(torch.equal(a, b) for a, b in zip((*layout.unpack(w13, F, H, 2, quant),
+                                                          *layout.unpack(w2, H, F, 1, quant)),
+                                                         (given.w1, given.w3, given.w2)))
+
+
+# ---------------------------------------------------------------------------- host_bytes
+
+def test_host_bytes_by_part_and_in_info():
+    from fiddler.config import MoEConfig
+    from fiddler.kernels import layout
+
+    path = bf16_checkpoint()
+    cfg = MoEConfig.from_pretrained(path)
+    dt = torch.bfloat16
+    engine = Engine.from_pretrained(path, gpu=GpuSide.emulated(BIG), dtype=dt, max_seq_len=64, max_batch=1,
+                                    executor=FiddlerPolicy(placement="fraction:0.5", latency_model=LM_EVEN))
+    engine.generate(torch.arange(3, 12), max_new_tokens=3)
+    hb = engine.info()["host_bytes"]
+    assert set(hb) == {"dense", "experts", "kv_cache", "buffers"}
+    L, E = cfg.num_moe_layers, cfg.expert_slots
+    packed = sum(layout.expert_packed_bytes(cfg.hidden_size, cfg.intermediate_size))
+    assert hb["experts"] == L * E // 2 * (packed + int(cfg.expert_bytes(dt)))  # each expert once
+    assert hb["kv_cache"] == cfg.kv_cache_bytes(64, 1, dt)
+    assert hb["buffers"] >= 2 * packed + cfg.expert_bytes(dt)
+    assert cfg.non_expert_bytes(dt) <= hb["dense"] <= 2.5 * cfg.non_expert_bytes(dt)
+    # without a GPU: nothing resident, no copy buffers
+    cpu = Engine.from_pretrained(path, gpu=GpuSide.none(), dtype=dt, max_seq_len=64, max_batch=1)
+    hb = cpu.info()["host_bytes"]
+    assert hb["experts"] == L * E * packed and hb["buffers"] < 2 * packed
+
+
+def test_host_memory_error_names_the_numbers(monkeypatch):
+    from fiddler import hostmem
+
+    monkeypatch.setattr(hostmem, "available_bytes", lambda: 1000)
+    with pytest.raises(hostmem.HostMemoryError, match=r"needs 3000 B .*experts 2000 B.*available 1000 B"):
+        hostmem.check_fits("thing", {"experts": 2000, "buffers": 1000})
+    hostmem.check_fits("thing", {"experts": 2000}, released=1000)  # fits with what is freed on the way
+    monkeypatch.setattr(hostmem, "available_bytes", lambda: None)
+    hostmem.check_fits("thing", {"experts": 1 << 60})  # unknown: not judged
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_host_copies_pinned_at_the_byte_and_asserted(monkeypatch):
+    from fiddler import hostmem
+
+    ex = build_executor(CFG, make_experts(dtype=torch.bfloat16), gpu=GpuSide.cuda(BIG), max_seq_len=64,
+                        max_batch=1, placement="fraction:0.5", planner="makespan", latency_model=LM_EVEN)
+    tensors = [t for h in ex._host_copies() for t in ex._host_tensors(h)]
+    assert tensors and all(t.is_pinned() for t in tensors)
+    # exactly sized: whole pages, not the caching host allocator's power of two
+    assert all(t.untyped_storage().nbytes() < hostmem.nbytes(t) + 3 * hostmem.PAGE for t in tensors)
+    monkeypatch.setattr(hostmem, "pinned_copy", lambda t: t.clone())  # pageable: the build must refuse it
+    with pytest.raises(RuntimeError, match="not pinned"):
+        build_executor(CFG, make_experts(dtype=torch.bfloat16), gpu=GpuSide.cuda(BIG), max_seq_len=64,
+                       max_batch=1, placement="fraction:0.5", planner="makespan", latency_model=LM_EVEN)

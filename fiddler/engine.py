@@ -185,11 +185,12 @@ class Engine:
         max_batch = max_batch or DEFAULT_MAX_BATCH
         if cpu_threads is not None:
             set_cpu_threads(cpu_threads)
+        cuda_cap = gpu.apply_cap()  # on CUDA the budget holds: the caching allocator cannot grow past it
         # Dense parts that do not fit the GPU budget stay on the CPU, whole layers at a time (-ngl style);
         # the executor's placement makes the same decision from the same function.
         try:
             dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
-                                    quant=quant)
+                                    quant=quant, overhead=gpu.overhead_bytes())
         except ValueError:  # not even the fixed part fits: the executor's own sizing decides (and explains)
             dense = DensePlacement((True,) * cfg.num_layers)
         cpu = torch.device("cpu")
@@ -220,6 +221,7 @@ class Engine:
             "max_batch": max_batch,
             "gpu_side": gpu.kind,
             "gpu_budget_bytes": gpu.budget_bytes,
+            **({"cuda_memory_cap": cuda_cap} if cuda_cap else {}),
             "executor": type(ex).__module__ + "." + type(ex).__name__,
             "kernel_isa": k.isa() if k is not None else None,
             "kernel_stream": k.stream() if k is not None else None,
@@ -292,6 +294,13 @@ class Engine:
         st["decode_s"] = sum(lat)
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
         st["executor"] = _plain(self.executor.stats.to_dict())
+        if self.gpu.is_cuda:  # what the process really reserved under the cap, and whether it had to retry
+            ms = torch.cuda.memory_stats(self.device)
+            st["cuda_memory"] = {"max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device)),
+                                 "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                                 "num_alloc_retries": int(ms.get("num_alloc_retries", 0)),
+                                 "num_ooms": int(ms.get("num_ooms", 0)),
+                                 "cap_bytes": self.gpu.cap_bytes()}
         if lat:
             # distinct experts a decode step ran per layer: with beams, the ones the beams actually used
             # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)

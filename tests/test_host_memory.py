@@ -180,6 +180,16 @@ def test_host_memory_error_names_the_numbers(monkeypatch):
     hostmem.check_fits("thing", {"experts": 1 << 60})  # unknown: not judged
 
 
+def test_cublas_workspace_from_its_config(monkeypatch):
+    from fiddler.gpu_side import cublas_workspace_bytes
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspace_bytes(torch.device("cuda")) == 32 << 20
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_bytes(torch.device("cuda")) == (8 << 20) + (128 << 10)
+    assert GpuSide.emulated(BIG).overhead_bytes() == {} and GpuSide.none().apply_cap() is None
+
+
 # ---------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -200,3 +210,28 @@ def test_cuda_host_copies_pinned_at_the_byte_and_asserted(monkeypatch):
     with pytest.raises(RuntimeError, match="not pinned"):
         build_executor(CFG, make_experts(dtype=torch.bfloat16), gpu=GpuSide.cuda(BIG), max_seq_len=64,
                        max_batch=1, placement="fraction:0.5", planner="makespan", latency_model=LM_EVEN)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_budget_capped_counted_and_recorded():
+    from fiddler.config import MoEConfig
+
+    path = bf16_checkpoint()
+    cfg = MoEConfig.from_pretrained(path)
+    gpu = GpuSide.cuda(int(1.5 * 2**30))
+    try:
+        engine = Engine.from_pretrained(path, gpu=gpu, dtype=torch.bfloat16, max_seq_len=64, max_batch=1,
+                                        executor=FiddlerPolicy(placement="popularity", latency_model=LM_EVEN))
+        cap = engine.info()["cuda_memory_cap"]
+        assert cap["cap_bytes"] <= gpu.budget_bytes - cap["cuda_context"] + 1
+        reserved = engine.info()["executor_info"]["placement"]["reserved_bytes"]
+        assert reserved["cuda_context"] == cap["cuda_context"] and reserved["cublas_workspace"] > 0
+        out = engine.generate(torch.arange(3, 12), max_new_tokens=3)
+        mem = out.stats["cuda_memory"]
+        assert 0 < mem["max_memory_reserved"] <= cap["cap_bytes"] and mem["num_alloc_retries"] >= 0
+        with pytest.raises(torch.cuda.OutOfMemoryError):  # the cap holds: no allocation past it
+            torch.empty(cap["cap_bytes"] + (1 << 30), dtype=torch.uint8, device="cuda")
+        assert cfg.num_moe_layers > 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -615,7 +615,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
         strategy, kw = parse_placement(placement)
         pl = place(config, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
                    strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, quant=quant,
-                   **kw)
+                   overhead=gpu.overhead_bytes(), **kw)
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,

@@ -4,9 +4,13 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
 (a: resident on the GPU, b: copy weights in then run on the GPU, c: run on the CPU), then
 - the CPU queue (kind c) runs on a worker thread: the routed rows are copied to host memory and each
   expert runs with the packed C++ kernel (bf16; it releases the GIL) or a torch fallback;
-- meanwhile the calling thread runs the GPU queue: resident experts first, then copied-in experts
-  through a double buffer (on CUDA the copy of the next expert overlaps the current one's compute);
+- meanwhile the calling thread runs the GPU queue: the copies into both buffers are issued first, then
+  the resident experts run, then the copied-in ones through the double buffer (on CUDA the copy of the
+  next expert overlaps the current one's compute);
 - outputs are combined like transformers' Mixtral (routing.SlotOutputs).
+
+Each expert has one host copy: the packed one the CPU kernel runs from (kind c), which kind b copies as
+it is and unpacks on the GPU side (fiddler.kernels.layout); a resident expert has only its GPU-side copy.
 
 Without CUDA the "GPU side" is the CPU device (GpuSide "emulated"), so placement, plans, buffer copies and
 combination run the same code (the copy is a real memcpy); the two queues then either split the cores

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fiddler import Engine
+from fiddler.config import MoEConfig
 from fiddler.executors import FiddlerPolicy, GpuSide, build_executor
 from fiddler.kernel_loader import load_kernels
 from fiddler.latency import LatencyModel
@@ -100,42 +101,47 @@ def test_copies_issued_before_resident_experts(monkeypatch):
 
 # ---------------------------------------------------------------------------- kind b from the packed bytes
 
-def _all_copied(quant=None):
+ODD = MoEConfig(hidden_size=72, intermediate_size=100, num_layers=2, num_experts=8, top_k=2, num_heads=6,
+                num_kv_heads=3, head_dim=12, vocab_size=128)  # rows and columns that pad in both layouts
+
+
+def _all_copied(quant=None, cfg=CFG):
     """Executors whose every expert is copied in (kind b): from the packed host copy, and from the plain one
     (the kernel off, so host memory holds the weights / block bytes as given)."""
     from fiddler import quant as fquant
     from fiddler.executors import FiddlerExecutor, Threads
     from fiddler.placement import place
 
-    experts = make_experts(dtype=torch.bfloat16)
+    experts = make_experts(cfg, torch.bfloat16)
     if quant is not None:
         experts = [[type(e)(*(fquant.quantize_blocks(t, quant) for t in (e.w1, e.w3, e.w2))) for e in layer]
                    for layer in experts]
     copy_lm = LatencyModel.manual(cpu=(1.0, 10.0), gpu=(1e-6, 1e-5), transfer=1e-4)  # the CPU is hopeless
     gpu = GpuSide.emulated(BIG)
-    pl = place(CFG, torch.bfloat16, BIG, max_seq_len=64, max_batch=1, strategy="fraction", fraction=0.0, quant=quant)
+    pl = place(cfg, torch.bfloat16, BIG, max_seq_len=64, max_batch=1, strategy="fraction", fraction=0.0, quant=quant)
     kw = dict(gpu=gpu, dtype=torch.bfloat16, placement=pl, planner="makespan", latency_model=copy_lm,
               threads=Threads.choose(gpu, torch.bfloat16, None, None), quant=quant)
-    return experts, FiddlerExecutor(CFG, experts, **kw), FiddlerExecutor(CFG, experts, use_kernel=False, **kw)
+    return experts, FiddlerExecutor(cfg, experts, **kw), FiddlerExecutor(cfg, experts, use_kernel=False, **kw)
 
 
 @needs_kernel
-@pytest.mark.parametrize("quant", [None, "q4_0"], ids=["bf16", "q4_0"])
-def test_kind_b_from_packed_bytes_is_exact(quant):
+@pytest.mark.parametrize("cfg", [CFG, ODD], ids=["aligned", "odd"])
+@pytest.mark.parametrize("quant", [None, "q4_0", "q8_0"])
+def test_kind_b_from_packed_bytes_is_exact(quant, cfg):
     """Kind b copies the packed bytes and unpacks them on the GPU side: bit for bit the weights (bf16) or
     block bytes (Q4_0) given, so its outputs equal those of copying the plain weights in."""
     from fiddler.kernels import layout
 
-    experts, packed, plain = _all_copied(quant)
+    experts, packed, plain = _all_copied(quant, cfg)
     assert packed.packed_host and not plain.packed_host
     for T, seed in ((1, 1), (9, 2), (40, 3)):
-        x, idx, w = routing(T, dtype=torch.bfloat16, seed=seed)
-        for layer in range(CFG.num_layers):
+        x, idx, w = routing(T, cfg, dtype=torch.bfloat16, seed=seed)
+        for layer in range(cfg.num_layers):
             assert torch.equal(packed.forward(layer, x, idx, w), plain.forward(layer, x, idx, w))
     assert packed.stats.tokens == plain.stats.tokens and packed.stats.tokens["c"] == 0
     assert packed.stats.experts["b"] > 0
-    H, F = CFG.hidden_size, CFG.intermediate_size
-    for layer in range(CFG.num_layers):
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    for layer in range(cfg.num_layers):
         for e, given in enumerate(experts[layer]):
             w13, w2 = packed.packed[layer][e].packed()
             assert all(torch.equal(a, b) for a, b in zip((*layout.unpack(w13, F, H, 2, quant),
@@ -146,7 +152,6 @@ def test_kind_b_from_packed_bytes_is_exact(quant):
 # ---------------------------------------------------------------------------- host_bytes
 
 def test_host_bytes_by_part_and_in_info():
-    from fiddler.config import MoEConfig
     from fiddler.kernels import layout
 
     path = bf16_checkpoint()
@@ -215,8 +220,6 @@ def test_cuda_host_copies_pinned_at_the_byte_and_asserted(monkeypatch):
 @pytest.mark.cuda
 @cuda
 def test_cuda_budget_capped_counted_and_recorded():
-    from fiddler.config import MoEConfig
-
     path = bf16_checkpoint()
     cfg = MoEConfig.from_pretrained(path)
     gpu = GpuSide.cuda(int(1.5 * 2**30))

@@ -234,6 +234,8 @@ class Engine:
             **({"quant_info": quant_info} if quant_info else {}),
             "load_s": time.perf_counter() - t_load,
         }
+        if cuda_cap:
+            cuda_cap["load_max_memory_reserved"] = int(torch.cuda.max_memory_reserved(gpu.device))
         return cls(cfg, model, ex, dtype=dtype, gpu=gpu, seed=seed, info=info, torch_threads=torch_threads_in_run)
 
     # ------------------------------------------------------------------ API
@@ -268,6 +270,8 @@ class Engine:
         prompt = self._prompt(input_ids)
         gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         self.executor.reset_stats()
+        if self.gpu.is_cuda:  # cuda_memory in the stats: this generate's peak
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.model.multi_row_expert_loads = self.model.multi_row_layer_steps = 0
         with torch_threads(self._torch_threads):
             out = generate(
@@ -294,7 +298,7 @@ class Engine:
         st["decode_s"] = sum(lat)
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
         st["executor"] = _plain(self.executor.stats.to_dict())
-        if self.gpu.is_cuda:  # what the process really reserved under the cap, and whether it had to retry
+        if self.gpu.is_cuda:  # what this generate really reserved under the cap, and whether it had to retry
             ms = torch.cuda.memory_stats(self.device)
             st["cuda_memory"] = {"max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device)),
                                  "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),

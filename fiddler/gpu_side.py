@@ -76,7 +76,8 @@ class GpuSide:
         reservation: the CUDA context and the cuBLAS workspace."""
         if not self.is_cuda:
             return {}
-        return {"cuda_context": cuda_context_bytes(self.device), "cublas_workspace": cublas_workspace_bytes(self.device)}
+        return {"cuda_context": cuda_context_bytes(self.device),
+                "cublas_workspace": cublas_workspace_bytes(self.device)}
 
     def cap_bytes(self) -> int | None:
         """What the caching allocator may reserve on CUDA: the budget less the CUDA context (None off CUDA)."""

@@ -2,8 +2,9 @@
 
 The budget first pays for everything the GPU must hold regardless of placement -- non-expert weights,
 the KV cache for max_seq_len x max_batch, the executor's copy buffers for experts streamed in over PCIe
-(kind b) and the dense expert they are unpacked into, and the activations of one forward pass -- each
-computed from the model shape (see `reservation`). What is left holds whole experts: the most popular (layer, expert) pairs first
+(kind b) and the dense expert they are unpacked into, the activations of one forward pass, and on CUDA
+the context and cuBLAS workspace -- each computed from the model shape (see `reservation`). What is
+left holds whole experts: the most popular (layer, expert) pairs first
 (popularity placement, the paper's policy), a seeded random set (ablation), or an explicit
 fraction/mask (tests).
 

@@ -116,7 +116,8 @@ def one(args) -> dict:
             "budget_bytes": budget, "checkpoint_bytes": ckpt, "kv_cache_bytes": kv,
             "rss_anon_before": before, "rss_anon_peak": peak, "samples": sampler.samples,
             "peak_over_ckpt_plus_kv": peak / (ckpt + kv), "limit": args.limit, "peak_ok": peak <= limit,
-            "parts": parts, "linears_twice": twice, "kinds": out.stats["executor"]["tokens"], "load_s": round(t_load, 1),
+            "parts": parts, "linears_twice": twice, "kinds": out.stats["executor"]["tokens"],
+            "load_s": round(t_load, 1),
             "new_tokens": int(out.tokens.shape[0])}
 
 

@@ -17,7 +17,7 @@ from fiddler.kernel_loader import load_kernels
 from fiddler.latency import LatencyModel
 from runners.synthetic import default_cache_root, ensure_synthetic_model
 from tests.models import ARCHS
-from tests.test_executor import BIG, CFG, LM_CPU, LM_EVEN, make_experts, routing
+from tests.test_executor import BIG, CFG, LM_EVEN, make_experts, routing
 
 needs_kernel = pytest.mark.skipif(load_kernels() is None, reason="kernel library not built")
 
@@ -221,13 +221,15 @@ def test_cuda_host_copies_pinned_at_the_byte_and_asserted(monkeypatch):
 @cuda
 def test_cuda_budget_capped_counted_and_recorded():
     path = bf16_checkpoint()
-    cfg = MoEConfig.from_pretrained(path)
+    torch.cuda.empty_cache()  # what earlier tests cached must not count against this engine's cap
+    torch.cuda.reset_peak_memory_stats()
     gpu = GpuSide.cuda(int(1.5 * 2**30))
     try:
         engine = Engine.from_pretrained(path, gpu=gpu, dtype=torch.bfloat16, max_seq_len=64, max_batch=1,
                                         executor=FiddlerPolicy(placement="popularity", latency_model=LM_EVEN))
         cap = engine.info()["cuda_memory_cap"]
         assert cap["cap_bytes"] <= gpu.budget_bytes - cap["cuda_context"] + 1
+        assert 0 < cap["load_max_memory_reserved"] <= cap["cap_bytes"]
         reserved = engine.info()["executor_info"]["placement"]["reserved_bytes"]
         assert reserved["cuda_context"] == cap["cuda_context"] and reserved["cublas_workspace"] > 0
         out = engine.generate(torch.arange(3, 12), max_new_tokens=3)
@@ -235,6 +237,5 @@ def test_cuda_budget_capped_counted_and_recorded():
         assert 0 < mem["max_memory_reserved"] <= cap["cap_bytes"] and mem["num_alloc_retries"] >= 0
         with pytest.raises(torch.cuda.OutOfMemoryError):  # the cap holds: no allocation past it
             torch.empty(cap["cap_bytes"] + (1 << 30), dtype=torch.uint8, device="cuda")
-        assert cfg.num_moe_layers > 0
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

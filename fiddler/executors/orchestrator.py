@@ -527,7 +527,8 @@ class FiddlerExecutor(ExpertExecutor):
         host_tmp = self._holding(pl, pe) is None  # every expert resident: a host copy to time kinds b and c
         if host_tmp:
             r = self.resident[pl][pe]
-            self._set_holding(pl, pe, self._host_copy(ExpertWeights(*(w.to("cpu", copy=True) for w in (r.w1, r.w3, r.w2)))))
+            host = ExpertWeights(*(w.to("cpu", copy=True) for w in (r.w1, r.w3, r.w2)))
+            self._set_holding(pl, pe, self._host_copy(host))
         buffers_tmp = not self.buffers
         if buffers_tmp:  # everything resident: borrow buffers just to time a copy
             self._allocate_buffers()

@@ -2,8 +2,8 @@
 
 The CPU kernel (csrc/fk.h, csrc/fk_quant.h) packs an expert once; the engine keeps only that copy in host
 memory. The GPU side receives the same packed bytes (kind b) and unpacks them here, with plain tensor
-views and one copy, so its weights are bit for bit the ones that were packed. A test
-round-trips (tests/test_packed_layout.py) both layouts through the C++ packer, so this description and csrc/ cannot drift apart.
+views and one copy, so its weights are bit for bit the ones that were packed. tests/test_packed_layout.py
+round-trips both layouts through the C++ packer, so this description and csrc/ cannot drift apart.
 
 bf16 (csrc/fk.h): W[n][k] in blocks of BLOCK_N rows, k padded to ALIGN_K; inside a block, for each column
 pair kp, the rows' two values side by side: block[kp][row][e] = W[nb*BLOCK_N + row][2*kp + e]. `groups`

@@ -3,6 +3,7 @@ host_bytes by part against the sizes computed from the config (issue 22's accept
 
     python scripts/host_memory.py                          # small_mixtral, 0 / 50 / 100% of experts resident
     python scripts/host_memory.py --model tiny_mixtral --fractions 0.5 --json
+    python scripts/host_memory.py --fractions 0.5 --plan copy   # every non-resident expert copied in (kind b)
 
 Each fraction runs in a fresh process (`--one`), so that one run's memory does not carry into the next. A
 thread samples /proc/self/status RssAnon every --interval seconds from before load until the generate
@@ -81,6 +82,7 @@ def one(args) -> dict:
     from fiddler import Engine
     from fiddler.config import MoEConfig
     from fiddler.executors import FiddlerPolicy, GpuSide
+    from fiddler.latency import LatencyModel
     from fiddler.placement import reservation
     from runners.models import synthetic_model
 
@@ -97,8 +99,12 @@ def one(args) -> dict:
     before = rss_anon()
     sampler.start()
     t0 = time.perf_counter()
+    lm = None  # calibrated here
+    if args.plan == "copy":  # copying always pays, the CPU never does: kind b for every non-resident expert
+        lm = LatencyModel.manual(cpu=(1.0, 10.0), gpu=(1e-6, 1e-5), transfer=1e-4)
     engine = Engine.from_pretrained(path, dtype=dtype, gpu=GpuSide.emulated(budget), max_seq_len=args.max_seq_len,
-                                    max_batch=args.max_batch, executor=FiddlerPolicy(placement="popularity"))
+                                    max_batch=args.max_batch,
+                                    executor=FiddlerPolicy(placement="popularity", latency_model=lm))
     t_load = time.perf_counter() - t0
     ids = torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
     out = engine.generate(ids, max_new_tokens=args.new_tokens)
@@ -133,6 +139,8 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--interval", type=float, default=0.05, help="RssAnon sampling period, seconds")
     ap.add_argument("--limit", type=float, default=1.15, help="peak RssAnon / (checkpoint + KV cache) allowed")
+    ap.add_argument("--plan", choices=["calibrated", "copy"], default="calibrated",
+                    help="the planner's latency model: calibrated here, or one that copies every non-resident expert")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.one:
@@ -143,7 +151,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--one", "--fraction", str(fr), "--model", args.model,
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                "--max-seq-len", str(args.max_seq_len), "--max-batch", str(args.max_batch),
-               "--interval", str(args.interval), "--limit", str(args.limit)]
+               "--interval", str(args.interval), "--limit", str(args.limit), "--plan", args.plan]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             print(p.stderr[-3000:], file=sys.stderr)

@@ -23,10 +23,11 @@ from .config import MoEConfig
 from .executors import BuildContext, ExecutorFactory, ExpertExecutor, FiddlerPolicy
 from .generate import GenerationOutput, generate
 from .gpu_side import GpuSide
+from . import hostmem
 from .hostmem import host_storages
 from .kernel_loader import load_kernels
 from .model import MoETransformer
-from .placement import DensePlacement, dense_placement
+from .placement import DensePlacement, dense_placement, layer_dense_bytes
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -131,6 +132,20 @@ def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gg
                   "attention_bytes_per_layer": cfg.attention_bytes(torch.bfloat16, quant)}
 
 
+def _host_bytes_to_load(cfg: MoEConfig, dtype: torch.dtype, gpu: GpuSide, dense: DensePlacement, max_seq_len: int,
+                        max_batch: int) -> dict[str, int]:
+    """Host memory loading fills: every expert in dtype (load_weights holds them all before the executor
+    copies them one by one), and the dense parts and KV cache that live on the CPU."""
+    need = {"experts": int(cfg.all_expert_bytes(dtype))}
+    if gpu.device.type == "cpu":
+        need["dense"] = int(cfg.non_expert_bytes(dtype))
+        need["kv_cache"] = int(cfg.kv_cache_bytes(max_seq_len, max_batch, dtype))
+    elif dense.cpu_layers:
+        per_layer = layer_dense_bytes(cfg, dtype, max_seq_len, max_batch)
+        need["dense_cpu_layers_and_kv"] = sum(per_layer[i] for i in dense.cpu_layers)
+    return need
+
+
 class Engine:
     def __init__(self, config: MoEConfig, model: MoETransformer, executor: ExpertExecutor, *, dtype, gpu: GpuSide,
                  seed: int, info: dict, torch_threads: int | None = None):
@@ -195,6 +210,7 @@ class Engine:
             dense = DensePlacement((True,) * cfg.num_layers)
         cpu = torch.device("cpu")
         layer_devices = [gpu.device if g else cpu for g in dense.gpu_layers]
+        hostmem.check_fits(f"loading {path}", _host_bytes_to_load(cfg, dtype, gpu, dense, max_seq_len, max_batch))
         weights = load_weights(path, cfg, dtype=dtype, device=gpu.device, layer_devices=layer_devices)
         quant_info = None
         if quant is not None:

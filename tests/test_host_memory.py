@@ -241,7 +241,6 @@ def test_cuda_budget_capped_counted_and_recorded():
         torch.cuda.set_per_process_memory_fraction(1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: loading reads every weight into host memory without asking")
 def test_short_host_memory_is_an_error_before_loading(monkeypatch):
     """The weights the engine loads into host memory are checked against what is available before the first
     tensor is read (not after a minute of loading, nor by the OOM killer)."""

@@ -9,6 +9,8 @@ PyTorch's caching host allocator, which rounds each block up to a power of two (
 from __future__ import annotations
 
 
+from collections import OrderedDict
+
 import torch
 
 PAGE = 4096
@@ -84,26 +86,39 @@ def require_pinned(what: str, tensors) -> None:
                            f"(first: #{bad[0]})")
 
 
+# Packages whose objects the walk enters (their attributes): the engine's and the policies' own objects.
+# torch modules are entered too (parameters, buffers, submodules); anything else (library objects, modules,
+# lazy mappings that import on access) is a leaf.
+WALKED_PACKAGES = ("fiddler", "baselines")
+
+
 def host_storages(*roots, skip=()) -> dict[int, int]:
-    """The host (CPU) storages of the tensors reachable from `roots` through attributes, lists, tuples and
-    dicts, as {data pointer: bytes} (whole storages: what the allocator holds). `skip`: objects not entered."""
+    """The host (CPU) storages of the tensors reachable from `roots` through lists, tuples, plain dicts and
+    the attributes of the roots and of objects of WALKED_PACKAGES (and torch modules), as {data pointer:
+    bytes} (whole storages: what the allocator holds). `skip`: objects not entered."""
     seen, found = {id(o) for o in skip}, {}
-    stack = list(roots)
+    stack = []
+    for r in roots:  # a root is entered whatever its package (a policy defined anywhere)
+        if hasattr(r, "__dict__") and not isinstance(r, (torch.Tensor, type)):
+            seen.add(id(r))
+            stack.extend(vars(r).values())
+        else:
+            stack.append(r)
     while stack:
         o = stack.pop()
-        if o is None or isinstance(o, (int, float, str, bool, bytes, torch.dtype, torch.device)) or id(o) in seen:
+        if id(o) in seen:
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
             if o.device.type == "cpu":
                 st = o.untyped_storage()
                 found[st.data_ptr()] = st.nbytes()
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set)):
+        elif type(o) in (dict, OrderedDict):
+            stack.extend(dict.values(o))
+        elif type(o) in (list, tuple, set, frozenset):
             stack.extend(o)
-        elif hasattr(o, "__dict__") and not isinstance(o, type):
-            stack.extend(vars(o).values())
+        elif isinstance(o, torch.nn.Module) or type(o).__module__.split(".")[0] in WALKED_PACKAGES:
+            stack.extend(getattr(o, "__dict__", {}).values())
     return found
 
 

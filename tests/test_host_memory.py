@@ -257,3 +257,27 @@ def test_short_host_memory_is_an_error_before_loading(monkeypatch):
     with pytest.raises(MemoryError, match=r"loading.*needs \d+ B.*experts"):
         Engine.from_pretrained(bf16_checkpoint(), gpu=GpuSide.none(), dtype=torch.bfloat16)
     assert read == []
+
+
+def test_held_bytes_walks_only_its_own_objects():
+    """The byte count enters the roots, plain containers, fiddler/baselines objects and torch modules; library
+    objects, modules and mappings that import on access are leaves (transformers' lazy auto mappings)."""
+    import collections
+    import types as pytypes
+
+    from fiddler import hostmem
+    from fiddler.weights import ExpertWeights
+
+    class Lazy(collections.OrderedDict):
+        def values(self):
+            raise AssertionError("entered a lazy mapping")
+
+    class Holder:  # a policy's object defined outside fiddler/: entered as a root only
+        pass
+
+    t = torch.zeros(1000, dtype=torch.uint8)
+    root = Holder()
+    root.a = [ExpertWeights(t, t[:10], torch.zeros(24, dtype=torch.uint8))]
+    root.lazy, root.module, root.lin = Lazy(x=torch.zeros(5)), pytypes, torch.nn.Linear(4, 2, bias=False)
+    root.d = {"k": (torch.zeros(3, dtype=torch.float64),)}
+    assert hostmem.held_bytes(root) == 1000 + 24 + 4 * 2 * 4 + 3 * 8  # each storage once

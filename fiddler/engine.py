@@ -23,9 +23,11 @@ from .config import MoEConfig
 from .executors import BuildContext, ExecutorFactory, ExpertExecutor, FiddlerPolicy
 from .generate import GenerationOutput, generate
 from .gpu_side import GpuSide
+from . import hostmem
+from .hostmem import host_storages
 from .kernel_loader import load_kernels
 from .model import MoETransformer
-from .placement import DensePlacement, dense_placement
+from .placement import DensePlacement, dense_placement, layer_dense_bytes
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -103,7 +105,7 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
     return 1 if kernel_linears else None
 
 
-def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gguf, pin: bool = False):
+def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gguf):
     """Experts (in place) and attention projections as llama.cpp blocks: from a GGUF file, the on-disk
     cache, or quantized now (and cached). Returns (per-layer attention blocks, facts for info())."""
     t = time.perf_counter()
@@ -119,7 +121,7 @@ def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gg
     else:
         cache, source = {}, "quantized at load"
     n_before = len(cache)
-    fquant.quantize_experts(weights.experts, quant, cache, pin=pin)
+    fquant.quantize_experts(weights.experts, quant, cache)
     attn = fquant.quantize_attention(weights, quant, cache)
     if entry is not None and len(cache) > n_before:
         fquant.save_cache(entry, cache)
@@ -128,6 +130,20 @@ def _quantize_weights(path, cfg: MoEConfig, weights, quant: str, quant_cache, gg
                   "cpu_mode": k.quant.mode() if k is not None else None,
                   "expert_bytes": cfg.expert_bytes(torch.bfloat16, quant),
                   "attention_bytes_per_layer": cfg.attention_bytes(torch.bfloat16, quant)}
+
+
+def _host_bytes_to_load(cfg: MoEConfig, dtype: torch.dtype, gpu: GpuSide, dense: DensePlacement, max_seq_len: int,
+                        max_batch: int) -> dict[str, int]:
+    """Host memory loading fills: every expert in dtype (load_weights holds them all before the executor
+    copies them one by one), and the dense parts and KV cache that live on the CPU."""
+    need = {"experts": int(cfg.all_expert_bytes(dtype))}
+    if gpu.device.type == "cpu":
+        need["dense"] = int(cfg.non_expert_bytes(dtype))
+        need["kv_cache"] = int(cfg.kv_cache_bytes(max_seq_len, max_batch, dtype))
+    elif dense.cpu_layers:
+        per_layer = layer_dense_bytes(cfg, dtype, max_seq_len, max_batch)
+        need["dense_cpu_layers_and_kv"] = sum(per_layer[i] for i in dense.cpu_layers)
+    return need
 
 
 class Engine:
@@ -184,19 +200,21 @@ class Engine:
         max_batch = max_batch or DEFAULT_MAX_BATCH
         if cpu_threads is not None:
             set_cpu_threads(cpu_threads)
+        cuda_cap = gpu.apply_cap()  # on CUDA the budget holds: the caching allocator cannot grow past it
         # Dense parts that do not fit the GPU budget stay on the CPU, whole layers at a time (-ngl style);
         # the executor's placement makes the same decision from the same function.
         try:
             dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
-                                    quant=quant)
+                                    quant=quant, overhead=gpu.overhead_bytes())
         except ValueError:  # not even the fixed part fits: the executor's own sizing decides (and explains)
             dense = DensePlacement((True,) * cfg.num_layers)
         cpu = torch.device("cpu")
         layer_devices = [gpu.device if g else cpu for g in dense.gpu_layers]
+        hostmem.check_fits(f"loading {path}", _host_bytes_to_load(cfg, dtype, gpu, dense, max_seq_len, max_batch))
         weights = load_weights(path, cfg, dtype=dtype, device=gpu.device, layer_devices=layer_devices)
         quant_info = None
         if quant is not None:
-            attn_blocks, quant_info = _quantize_weights(path, cfg, weights, quant, quant_cache, gguf, gpu.is_cuda)
+            attn_blocks, quant_info = _quantize_weights(path, cfg, weights, quant, quant_cache, gguf)
         ctx = BuildContext(cfg, dtype, gpu, max_seq_len=max_seq_len, max_batch=max_batch, cpu_threads=cpu_threads,
                            seed=seed, quant=quant)
         ex = (executor or FiddlerPolicy())(ctx, weights.experts)
@@ -219,6 +237,7 @@ class Engine:
             "max_batch": max_batch,
             "gpu_side": gpu.kind,
             "gpu_budget_bytes": gpu.budget_bytes,
+            **({"cuda_memory_cap": cuda_cap} if cuda_cap else {}),
             "executor": type(ex).__module__ + "." + type(ex).__name__,
             "kernel_isa": k.isa() if k is not None else None,
             "kernel_stream": k.stream() if k is not None else None,
@@ -231,6 +250,8 @@ class Engine:
             **({"quant_info": quant_info} if quant_info else {}),
             "load_s": time.perf_counter() - t_load,
         }
+        if cuda_cap:
+            cuda_cap["load_max_memory_reserved"] = int(torch.cuda.max_memory_reserved(gpu.device))
         return cls(cfg, model, ex, dtype=dtype, gpu=gpu, seed=seed, info=info, torch_threads=torch_threads_in_run)
 
     # ------------------------------------------------------------------ API
@@ -265,6 +286,8 @@ class Engine:
         prompt = self._prompt(input_ids)
         gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         self.executor.reset_stats()
+        if self.gpu.is_cuda:  # cuda_memory in the stats: this generate's peak
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.model.multi_row_expert_loads = self.model.multi_row_layer_steps = 0
         with torch_threads(self._torch_threads):
             out = generate(
@@ -291,6 +314,13 @@ class Engine:
         st["decode_s"] = sum(lat)
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
         st["executor"] = _plain(self.executor.stats.to_dict())
+        if self.gpu.is_cuda:  # what this generate really reserved under the cap, and whether it had to retry
+            ms = torch.cuda.memory_stats(self.device)
+            st["cuda_memory"] = {"max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device)),
+                                 "max_memory_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                                 "num_alloc_retries": int(ms.get("num_alloc_retries", 0)),
+                                 "num_ooms": int(ms.get("num_ooms", 0)),
+                                 "cap_bytes": self.gpu.cap_bytes()}
         if lat:
             # distinct experts a decode step ran per layer: with beams, the ones the beams actually used
             # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)
@@ -307,9 +337,22 @@ class Engine:
         with torch_threads(self._torch_threads):
             return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
 
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory the engine holds now, by part: dense (non-expert weights, packed or not, rope tables),
+        experts and buffers (the executor's; on an emulated GPU its "device" memory too, which is host memory),
+        kv_cache (the layers whose cache is on the CPU), buffers (plus the model's decode-step buffers)."""
+        m = self.model
+        kv = host_storages(m.cache)
+        bufs = {p: n for p, n in host_storages(m._bufs).items() if p not in kv}
+        dense = host_storages(m, skip=(m.executor, m.cache, m._bufs))
+        ex = self.executor.host_bytes()
+        return {"dense": sum(n for p, n in dense.items() if p not in kv and p not in bufs),
+                "experts": int(ex["experts"]), "kv_cache": sum(kv.values()),
+                "buffers": int(ex["buffers"]) + sum(bufs.values())}
+
     def info(self) -> dict:
-        """Plain facts about the engine and its executor (executor_info)."""
-        return {**self._info, "executor_info": _plain(self.executor.info())}
+        """Plain facts about the engine and its executor (executor_info), and its host memory now."""
+        return {**self._info, "host_bytes": self.host_bytes(), "executor_info": _plain(self.executor.info())}
 
 
 def _plain(x):

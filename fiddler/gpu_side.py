@@ -4,13 +4,18 @@ The GPU side holds the non-expert weights, the KV cache, the resident experts an
 one of:
 
 - none: no GPU. Everything lives on the CPU and every expert runs on the CPU path (kind c).
-- cuda: a CUDA device with a memory budget in bytes (by default 90% of its free memory).
+- cuda: a CUDA device with a memory budget in bytes (by default 90% of its free memory). The budget holds:
+  placement counts the CUDA context and the cuBLAS workspace in it (`overhead_bytes`), and the engine caps
+  the caching allocator at the rest (`apply_cap`: torch.cuda.set_per_process_memory_fraction).
 - emulated: the CPU device stands in for a GPU with the given budget, so placement, plans, weight copies
   and output combination run the same code as on CUDA (timings are CPU timings).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +71,51 @@ class GpuSide:
     def is_cuda(self) -> bool:
         return self.kind == CUDA
 
+    def overhead_bytes(self) -> dict[str, int]:
+        """GPU memory the process needs besides its tensors (CUDA only; {} otherwise), for placement's
+        reservation: the CUDA context and the cuBLAS workspace."""
+        if not self.is_cuda:
+            return {}
+        return {"cuda_context": cuda_context_bytes(self.device),
+                "cublas_workspace": cublas_workspace_bytes(self.device)}
+
+    def cap_bytes(self) -> int | None:
+        """What the caching allocator may reserve on CUDA: the budget less the CUDA context (None off CUDA)."""
+        if not self.is_cuda:
+            return None
+        return max(0, self.budget_bytes - cuda_context_bytes(self.device))
+
+    def apply_cap(self) -> dict | None:
+        """Cap this process's caching allocator at cap_bytes() (torch.cuda.set_per_process_memory_fraction),
+        so the budget holds on the real device; returns what was set, for the record (None off CUDA)."""
+        if not self.is_cuda:
+            return None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        fraction = min(1.0, self.cap_bytes() / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        return {"fraction": fraction, "cap_bytes": int(fraction * total), "device_total_bytes": int(total),
+                **self.overhead_bytes()}
+
     def describe(self) -> str | None:
         """For info(): None (no GPU), "cuda" or "cpu (emulated GPU)"."""
         return {NONE: None, CUDA: "cuda", EMULATED: "cpu (emulated GPU)"}[self.kind]
+
+
+@functools.cache
+def cuda_context_bytes(device: torch.device) -> int:
+    """Device memory in use that this process's caching allocator does not hold, measured once: the CUDA
+    context (and, on a shared GPU, other processes' memory: then more is kept free than needed, never less)."""
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total - free - torch.cuda.memory_reserved(device)))
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """The cuBLAS workspace PyTorch allocates (through the caching allocator) for the compute stream:
+    CUBLAS_WORKSPACE_CONFIG (":KiB:count" pairs), else PyTorch's default (":4096:8" from Hopper on, else
+    ":4096:2:16:8")."""
+    conf = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if not conf:
+        conf = ":4096:8" if torch.cuda.get_device_capability(device)[0] >= 9 else ":4096:2:16:8"
+    pairs = re.findall(r":(\d+):(\d+)", conf)
+    return sum(int(kib) * 1024 * int(n) for kib, n in pairs)

@@ -2,8 +2,9 @@
 
 The budget first pays for everything the GPU must hold regardless of placement -- non-expert weights,
 the KV cache for max_seq_len x max_batch, the executor's copy buffers for experts streamed in over PCIe
-(kind b) and the activations of one forward pass -- each computed from the model shape (see
-`reservation`). What is left holds whole experts: the most popular (layer, expert) pairs first
+(kind b) and the dense expert they are unpacked into, the activations of one forward pass, and on CUDA
+the context and cuBLAS workspace -- each computed from the model shape (see `reservation`). What is
+left holds whole experts: the most popular (layer, expert) pairs first
 (popularity placement, the paper's policy), a seeded random set (ablation), or an explicit
 fraction/mask (tests).
 
@@ -73,10 +74,13 @@ def _layer_weight_bytes(config, layer: int, dtype: torch.dtype, quant: str | Non
 
 
 def _copy_buffers(config, dtype: torch.dtype, quant: str | None) -> int:
-    """The copy-in buffers; with quant, a copied-in expert is dequantized on the GPU side into one more
-    dense expert's worth."""
-    scratch = int(config.expert_bytes(dtype)) if quant is not None else 0
-    return COPY_BUFFERS * int(config.expert_bytes(dtype, quant)) + scratch
+    """The copy-in buffers: a copied-in expert arrives as the bytes host memory holds (packed, or blocks)."""
+    return COPY_BUFFERS * int(config.expert_bytes(dtype, quant))
+
+
+def _unpack_scratch(config, dtype: torch.dtype) -> int:
+    """A copied-in expert is unpacked (bf16) or dequantized (quant) on the GPU side into one dense expert."""
+    return int(config.expert_bytes(dtype))
 
 
 @dataclass(frozen=True)
@@ -95,15 +99,16 @@ class DensePlacement:
         return [i for i, g in enumerate(self.gpu_layers) if not g]
 
 
-def _fixed_reservation(config, dtype, max_seq_len, max_batch, quant=None) -> dict[str, int]:
+def _fixed_reservation(config, dtype, max_seq_len, max_batch, quant=None, overhead=None) -> dict[str, int]:
     act = activation_bytes(config, dtype, max_seq_len, max_batch)
     return {"embeddings_and_head": int(config.embedding_params() * dtype.itemsize),
             "expert_copy_buffers": _copy_buffers(config, dtype, quant),
-            "activations": int(sum(act.values()))}
+            "unpack_scratch": _unpack_scratch(config, dtype),
+            "activations": int(sum(act.values())), **(overhead or {})}
 
 
 def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: int,
-                    max_batch: int, quant: str | None = None) -> DensePlacement:
+                    max_batch: int, quant: str | None = None, overhead: dict[str, int] | None = None) -> DensePlacement:
     """Every layer on the GPU when the whole reservation fits the budget (or there is no GPU: then the
     question does not arise and everything is on the one device); else embeddings/lm_head, copy buffers
     and activations first, then whole layers from the last one backwards while they fit (llama.cpp's
@@ -111,7 +116,7 @@ def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max
     L = config.num_layers
     if budget_bytes is None:
         return DensePlacement((True,) * L)
-    fixed = _fixed_reservation(config, dtype, max_seq_len, max_batch, quant)
+    fixed = _fixed_reservation(config, dtype, max_seq_len, max_batch, quant, overhead)
     per_layer = layer_dense_bytes(config, dtype, max_seq_len, max_batch, quant)
     avail = budget_bytes - sum(fixed.values())
     if avail >= sum(per_layer):
@@ -132,10 +137,12 @@ def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max
 
 
 def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int,
-                gpu_layers: Sequence[bool] | None = None, quant: str | None = None) -> dict[str, int]:
+                gpu_layers: Sequence[bool] | None = None, quant: str | None = None,
+                overhead: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes the GPU needs before any expert is made resident, by component. `gpu_layers` (default: all):
     the layers whose dense part and KV cache are on the GPU side (see dense_placement). quant: experts and
-    attention projections as llama.cpp blocks (fiddler.quant)."""
+    attention projections as llama.cpp blocks (fiddler.quant). overhead: what the device needs besides
+    tensors (GpuSide.overhead_bytes(): the CUDA context and cuBLAS workspace on CUDA)."""
     act = activation_bytes(config, dtype, max_seq_len, max_batch)
     if gpu_layers is None or all(gpu_layers):
         weights = int(config.non_expert_bytes(dtype, quant))
@@ -149,7 +156,9 @@ def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int,
         "non_expert_weights": int(weights),
         "kv_cache": int(kv),
         "expert_copy_buffers": _copy_buffers(config, dtype, quant),
+        "unpack_scratch": _unpack_scratch(config, dtype),
         "activations": int(sum(act.values())),
+        **(overhead or {}),
     }
 
 
@@ -212,22 +221,23 @@ def _mask_from_pairs(L: int, E: int, pairs) -> list[list[bool]]:
 def place(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: int, max_batch: int,
           strategy: str = "popularity", popularity: Popularity | None = None, seed: int = 0,
           fraction: float | None = None, mask: Sequence[Sequence[bool]] | None = None,
-          quant: str | None = None) -> Placement:
+          quant: str | None = None, overhead: dict[str, int] | None = None) -> Placement:
     """Choose resident experts.
 
     strategy: "popularity" (most popular pairs first, as many as fit), "random" (seeded, as many as
     fit), "fraction" (the `fraction` most popular pairs, rounded down; must fit when a budget is given),
     "mask" (exactly `mask`; must fit when a budget is given). budget_bytes=None means no GPU:
     nothing is resident, whatever the strategy. quant: experts are held as llama.cpp blocks
-    (fiddler.quant), so about 2x (q8_0) / 3.6x (q4_0) more of them fit.
+    (fiddler.quant), so about 2x (q8_0) / 3.6x (q4_0) more of them fit. overhead: see `reservation`.
     """
     L, E = config.num_moe_layers, config.expert_slots
     eb = int(config.expert_bytes(dtype, quant))
     if budget_bytes is None:
         return Placement([[False] * E for _ in range(L)], "none (no GPU)", eb, None, {}, None)
-    dense = dense_placement(config, dtype, budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch, quant=quant)
+    dense = dense_placement(config, dtype, budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch, quant=quant,
+                            overhead=overhead)
     gpu_layers = None if dense.all_on_gpu else dense.gpu_layers
-    reserved = reservation(config, dtype, max_seq_len, max_batch, gpu_layers, quant)
+    reserved = reservation(config, dtype, max_seq_len, max_batch, gpu_layers, quant, overhead)
     need = sum(reserved.values())
     if budget_bytes < need:  # cannot happen after dense_placement; kept as the invariant's check
         parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in reserved.items())

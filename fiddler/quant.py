@@ -336,17 +336,6 @@ def dequantize_expert(w, quant: str, hidden: int, ffn: int, dtype: torch.dtype):
                          dequantize_blocks(w.w2, quant, ffn, dtype))
 
 
-def empty_expert_blocks(config, quant: str, device):
-    """An uninitialised expert of block bytes (a copy buffer for kind b)."""
-    from .weights import ExpertWeights
-
-    h, f = config.hidden_size, config.intermediate_size
-    rb = lambda cols: row_bytes(cols, quant)  # noqa: E731
-    return ExpertWeights(torch.empty(f, rb(h), dtype=torch.uint8, device=device),
-                         torch.empty(f, rb(h), dtype=torch.uint8, device=device),
-                         torch.empty(h, rb(f), dtype=torch.uint8, device=device))
-
-
 def pack_expert(w, quant: str, hidden: int, ffn: int):
     """The CPU kernel's packed copy of an expert held as block bytes (fiddler.kernels.quant.QuantExpert)."""
     return _kq().QuantExpert(w.w1, w.w3, w.w2, quant, hidden, ffn)

@@ -1,8 +1,10 @@
 """Loading MoE safetensors checkpoints (every family of fiddler.config.SUPPORTED) tensor by tensor.
 
-Experts are read one at a time into host memory (pinned when CUDA is present, so PCIe copies can be
-asynchronous); non-expert weights go to the compute device. Each tensor is read from the memory-mapped
-file, converted and placed before the next one is read, so the model is never held twice.
+Experts are read one at a time into host memory (the executor makes its own host copy of each, packed
+and pinned as it needs, and frees the loaded one); non-expert weights go to the compute device. Each
+tensor is read from the memory-mapped file, converted and placed before the next one is read, so the
+model is never held twice. Every tensor returned is private memory, never a view of the mapping: the
+checkpoint's mapping is released when loading returns.
 """
 
 from __future__ import annotations
@@ -122,31 +124,32 @@ class _Checkpoint:
         self._handles.clear()
 
 
-def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device, pin: bool = False) -> torch.Tensor:
-    if pin:
-        out = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-        out.copy_(t)
-        return out
-    # .contiguous() so that slices read from fused tensors do not keep their parent alive.
-    return t.to(device=device, dtype=dtype).contiguous()
+def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # .contiguous() so that slices read from fused tensors do not keep their parent alive; a CPU tensor that
+    # needed no conversion is still a view of the file's mapping (a private one for safetensors): copy it,
+    # so that the mapping goes with the handles and what the engine holds is anonymous memory.
+    out = t.to(device=device, dtype=dtype).contiguous()
+    if out.device.type == "cpu" and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        out = out.clone()
+    return out
 
 
-def load_expert(ck: _Checkpoint, cfg: MoEConfig, layer: int, e: int, dtype: torch.dtype, pin: bool) -> ExpertWeights:
+def load_expert(ck: _Checkpoint, cfg: MoEConfig, layer: int, e: int, dtype: torch.dtype) -> ExpertWeights:
     h, f = cfg.hidden_size, cfg.intermediate_size
     cpu = torch.device("cpu")
     n1, n3, n2 = cfg.expert_names
     p = f"model.layers.{layer}.{cfg.moe_block}.experts.{e}"
     if f"{p}.{n1}.weight" in ck:  # original Hub layout
-        w1 = _place(ck.get(f"{p}.{n1}.weight", (f, h)), dtype, cpu, pin)
-        w3 = _place(ck.get(f"{p}.{n3}.weight", (f, h)), dtype, cpu, pin)
-        w2 = _place(ck.get(f"{p}.{n2}.weight", (h, f)), dtype, cpu, pin)
+        w1 = _place(ck.get(f"{p}.{n1}.weight", (f, h)), dtype, cpu)
+        w3 = _place(ck.get(f"{p}.{n3}.weight", (f, h)), dtype, cpu)
+        w2 = _place(ck.get(f"{p}.{n2}.weight", (h, f)), dtype, cpu)
         return ExpertWeights(w1, w3, w2)
     # transformers >= 5 in-memory layout, in case a checkpoint was saved fused: gate_up_proj [E, 2F, H], down_proj [E, H, F]
     q = f"model.layers.{layer}.mlp.experts"
     if f"{q}.gate_up_proj" in ck:
-        w1 = _place(ck.get(f"{q}.gate_up_proj", (f, h), (e, slice(0, f))), dtype, cpu, pin)
-        w3 = _place(ck.get(f"{q}.gate_up_proj", (f, h), (e, slice(f, 2 * f))), dtype, cpu, pin)
-        w2 = _place(ck.get(f"{q}.down_proj", (h, f), (e,)), dtype, cpu, pin)
+        w1 = _place(ck.get(f"{q}.gate_up_proj", (f, h), (e, slice(0, f))), dtype, cpu)
+        w3 = _place(ck.get(f"{q}.gate_up_proj", (f, h), (e, slice(f, 2 * f))), dtype, cpu)
+        w2 = _place(ck.get(f"{q}.down_proj", (h, f), (e,)), dtype, cpu)
         return ExpertWeights(w1, w3, w2)
     raise CheckpointError(f"{ck.path}: no weights for layer {layer} expert {e} (looked for {p}.{n1}.weight)")
 
@@ -156,7 +159,7 @@ def _shared_prefix(cfg: MoEConfig, layer: int) -> str:
     return f"model.layers.{layer}.{cfg.moe_block}.{name}"
 
 
-def load_shared_slots(ck: _Checkpoint, cfg: MoEConfig, layer: int, dtype: torch.dtype, pin: bool) -> list[ExpertWeights]:
+def load_shared_slots(ck: _Checkpoint, cfg: MoEConfig, layer: int, dtype: torch.dtype) -> list[ExpertWeights]:
     """The shared expert(s) of a MoE layer as `cfg.shared_slots` experts of the routed shape: rows of gate/up
     and columns of down split along the intermediate dimension (the last chunk zero-padded), so that the
     sum of the chunks' outputs is the shared expert's output."""
@@ -175,7 +178,7 @@ def load_shared_slots(ck: _Checkpoint, cfg: MoEConfig, layer: int, dtype: torch.
             w1 = torch.cat([w1, w1.new_zeros(pad, h)])
             w3 = torch.cat([w3, w3.new_zeros(pad, h)])
             w2 = torch.cat([w2, w2.new_zeros(h, pad)], dim=1)
-        out.append(ExpertWeights(*(_place(w, dtype, cpu, pin) for w in (w1, w3, w2))))
+        out.append(ExpertWeights(*(_place(w, dtype, cpu) for w in (w1, w3, w2))))
     return out
 
 
@@ -185,14 +188,11 @@ def load_weights(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    pin_experts: bool | None = None,
     layer_devices: list[torch.device] | None = None,
 ) -> ModelWeights:
     """Load a checkpoint: non-expert weights on `device` (layer i's on layer_devices[i] when given: dense
     parts that do not fit the GPU stay on the CPU), experts in host memory as [moe layer][slot]."""
     path, device = Path(path), torch.device(device)
-    if pin_experts is None:
-        pin_experts = torch.cuda.is_available()
     ck = _Checkpoint(path)
     h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
 
@@ -252,8 +252,8 @@ def load_weights(
                                     torch.float32)
             if cfg.shared_expert_gate:
                 lw.shared_gate = get(f"{p}.{cfg.moe_block}.shared_expert_gate.weight", (1, h), dev)
-            experts.append([load_expert(ck, cfg, i, e, dtype, pin_experts) for e in range(cfg.num_experts)]
-                           + (load_shared_slots(ck, cfg, i, dtype, pin_experts) if cfg.shared_slots else []))
+            experts.append([load_expert(ck, cfg, i, e, dtype) for e in range(cfg.num_experts)]
+                           + (load_shared_slots(ck, cfg, i, dtype) if cfg.shared_slots else []))
         layers.append(lw)
     norm = get("model.norm.weight", (h,))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ck:

@@ -78,7 +78,8 @@ def derive_cache_size(config, dtype: torch.dtype, budget_bytes: int, *, max_seq_
     / (layers * expert bytes), clamped to [1, num_experts]. Misses are copied straight into the evicted
     slot, so there are no separate copy buffers to reserve (fiddler's reservation counts two)."""
     res = reservation(config, dtype, max_seq_len, max_batch)
-    res.pop("expert_copy_buffers", None)
+    for part in ("expert_copy_buffers", "unpack_scratch"):  # fiddler's copy-in path, not this policy's
+        res.pop(part, None)
     eb = int(expert_bytes if expert_bytes is not None else config.expert_bytes(dtype))
     free = budget_bytes - sum(res.values())
     per_layer = free // (config.num_layers * eb) if free > 0 else 0

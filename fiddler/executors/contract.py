@@ -87,6 +87,13 @@ class ExpertExecutor(abc.ABC):
         self.recorder = recorder or PopularityRecorder.for_config(self.config)
         return self.recorder
 
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory this executor holds: {"experts": ..., "buffers": ...} (bytes). By default every CPU
+        tensor reachable from it counts as experts; a policy with copy buffers splits them out."""
+        from ..hostmem import held_bytes
+
+        return {"experts": held_bytes(self), "buffers": 0}
+
     def close(self) -> None:
         """Release threads or device memory the executor holds."""
 

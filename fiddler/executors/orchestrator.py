@@ -4,9 +4,13 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
 (a: resident on the GPU, b: copy weights in then run on the GPU, c: run on the CPU), then
 - the CPU queue (kind c) runs on a worker thread: the routed rows are copied to host memory and each
   expert runs with the packed C++ kernel (bf16; it releases the GIL) or a torch fallback;
-- meanwhile the calling thread runs the GPU queue: resident experts first, then copied-in experts
-  through a double buffer (on CUDA the copy of the next expert overlaps the current one's compute);
+- meanwhile the calling thread runs the GPU queue: the copies into both buffers are issued first, then
+  the resident experts run, then the copied-in ones through the double buffer (on CUDA the copy of the
+  next expert overlaps the current one's compute);
 - outputs are combined like transformers' Mixtral (routing.SlotOutputs).
+
+Each expert has one host copy: the packed one the CPU kernel runs from (kind c), which kind b copies as
+it is and unpacks on the GPU side (fiddler.kernels.layout); a resident expert has only its GPU-side copy.
 
 Without CUDA the "GPU side" is the CPU device (GpuSide "emulated"), so placement, plans, buffer copies and
 combination run the same code (the copy is a real memcpy); the two queues then either split the cores
@@ -22,10 +26,11 @@ from typing import Any
 
 import torch
 
-from .. import hardware
+from .. import hardware, hostmem
 from .. import quant as fquant
 from ..gpu_side import GpuSide
 from ..kernel_loader import load_kernels
+from ..kernels import layout
 from ..latency import LatencyModel, calibrate
 from ..placement import COPY_BUFFERS, Placement, parse_placement, place
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
@@ -35,16 +40,6 @@ from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
 from .ffn import torch_expert
 from .routing import ExpertGroups, SlotOutputs
-
-
-def _host_memory_for(nbytes: int) -> bool:
-    """Whether packing another `nbytes` leaves at least as much again free (psutil; True if unknown)."""
-    try:
-        import psutil
-
-        return psutil.virtual_memory().available >= 2 * nbytes
-    except Exception:  # noqa: BLE001 -- psutil missing: assume it fits
-        return True
 
 
 def empty_expert(config, dtype, device) -> ExpertWeights:
@@ -176,16 +171,19 @@ class FiddlerExecutor(ExpertExecutor):
         # A decode row whose experts all run on the CPU goes to the kernel in one call (False: the general
         # path, for comparisons)
         self.fused_decode = True
+        # The host copies are packed for the CPU kernel when it serves this dtype; kind b copies those same
+        # bytes and unpacks them on the GPU side (fiddler.kernels.layout).
+        self.packed_host = self.kernel is not None
+        self.buffers: list[list[torch.Tensor]] = []  # copy-in double buffer (kind b), in the reservation
+        self.scratch: ExpertWeights | None = None  # the dense expert bf16 packed bytes are unpacked into
+        self._check_host_memory(experts, take_ownership)
         self._take_experts(experts, take_ownership)
         if self.kernel is not None and self.quant is None:
             # a per-CPU knob, measured here on these experts before calibration times them: from how many
             # tokens AMX tiles beat the vector path (a no-op without AMX or with too few bytes to stream)
-            self.kernel.tune_amx([p for row in self.packed for p in row if p is not None], threads=threads.all)
-
-        # Double buffer for copied-in experts (kind b), allocated once; its size is in the reservation.
-        self.buffers: list[ExpertWeights] = []
+            self.kernel.tune_amx(self._host_copies(), threads=threads.all)
         if gpu.has_gpu and placement.num_resident < L * E:
-            self.buffers = [self._empty_expert() for _ in range(COPY_BUFFERS)]
+            self._allocate_buffers()
         self.copy_in = CopyIn(self.device, COPY_BUFFERS)
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
@@ -197,36 +195,106 @@ class FiddlerExecutor(ExpertExecutor):
             latency_model = self.calibrate(max_tokens=calibration_tokens)
         self.latency_model = latency_model
 
+    def _check_host_memory(self, experts, take_ownership: bool) -> None:
+        """What this executor will hold in host memory must fit (an error naming the numbers, at load): the
+        host copies of non-resident experts and, where the GPU side is the CPU, the resident copies and the
+        copy buffers too. Experts taken over are freed one by one as they are copied (one at a time extra)."""
+        L, E = self.config.num_moe_layers, self.config.expert_slots
+        resident = self.placement.num_resident
+        host_side = not self.cuda and self.gpu.has_gpu  # the emulated GPU's memory is host memory
+        need = {"experts": (L * E - resident) * self._host_expert_bytes()}
+        if host_side:
+            need["resident_experts"] = resident * self.expert_bytes
+            if resident < L * E:
+                need["buffers"] = self._buffer_bytes()
+        given = sum(hostmem.nbytes(e.w1, e.w3, e.w2) for layer in experts for e in layer if e is not None)
+        released = given - max(self._host_expert_bytes(), self.expert_bytes) if take_ownership else 0
+        hostmem.check_fits(f"{type(self).__name__} ({L} x {E} experts, {resident} resident)", need, released)
+
+    def _host_expert_bytes(self) -> int:
+        """Bytes of one expert's host copy (packed for the kernel, else as given)."""
+        H, F_ = self.config.hidden_size, self.config.intermediate_size
+        if self.packed_host:
+            return sum(layout.expert_packed_bytes(H, F_, self.quant))
+        return self.expert_bytes
+
+    def _buffer_bytes(self) -> int:
+        scratch = self.config.expert_bytes(self.dtype) if self.packed_host else 0
+        return COPY_BUFFERS * self._host_expert_bytes() + int(scratch)
+
     def _take_experts(self, experts, take_ownership: bool) -> None:
-        """Host copies (kind b copies from them, kind c runs from them or from their packed copy), resident
-        copies on the device (on a CPU device: the host tensors themselves) and packed copies for the CPU
-        kernel. The packed copy duplicates the weights, so host copies nobody needs are dropped: resident
-        ones on CUDA, and all of them without a GPU (no kind b). With take_ownership the caller's list
-        entries are cleared too, so the memory is freed expert by expert instead of doubling at peak."""
-        L, E, dtype, has_gpu = self.config.num_moe_layers, self.config.expert_slots, self.dtype, self.gpu.has_gpu
-        self.host: list[list[ExpertWeights | None]] = [
-            [ExpertWeights(*(w if (w.dtype == dtype or self.quant) else w.to(dtype) for w in (e.w1, e.w3, e.w2)))
-             for e in layer]
-            for layer in experts]
-        self.resident: list[list[ExpertWeights | None]] = [[None] * E for _ in range(L)]
+        """One host copy per non-resident expert (in `packed` for the CPU kernel, else in `host`: the weights
+        as given, in the model dtype; pinned at the byte on CUDA) and one GPU-side copy per resident expert
+        (`resident`: a separate allocation, on an emulated GPU too, as CUDA memory is). With take_ownership
+        the caller's entries are cleared as they are copied, so memory is freed expert by expert."""
+        L, E = self.config.num_moe_layers, self.config.expert_slots
+        self.host: list[list[ExpertWeights | None]] = [[None] * E for _ in range(L)]
         self.packed: list[list[Any]] = [[None] * E for _ in range(L)]
-        self.pack_skipped = 0  # experts left on the torch CPU path for lack of host memory
+        self.resident: list[list[ExpertWeights | None]] = [[None] * E for _ in range(L)]
+        copies = self.packed if self.packed_host else self.host
         for l in range(L):
             for e in range(E):
-                h = self.host[l][e]
+                w = experts[l][e]
                 if self.placement.resident[l][e]:
-                    self.resident[l][e] = ExpertWeights(*(w.to(self.device) for w in (h.w1, h.w3, h.w2)))
-                    if self.cuda:
-                        self.host[l][e] = None
-                elif self.kernel is not None:
-                    if has_gpu and not _host_memory_for(self.expert_bytes):
-                        self.pack_skipped += 1  # kind b needs the HF-layout copy: keep it, skip packing
-                    else:
-                        self.packed[l][e] = self._pack(h)
-                        if not has_gpu:
-                            self.host[l][e] = None
+                    self.resident[l][e] = self._device_copy(w)
+                else:
+                    copies[l][e] = self._host_copy(w)
                 if take_ownership:
                     experts[l][e] = None
+        if self.cuda:
+            hostmem.require_pinned("FiddlerExecutor host experts",
+                                   [t for h in self._host_copies() for t in self._host_tensors(h)])
+
+    def _host_copies(self) -> list:
+        return [h for row in (self.packed if self.packed_host else self.host) for h in row if h is not None]
+
+    def _holding(self, layer: int, e: int):
+        """The one host copy of expert (layer, e) (None: resident)."""
+        return (self.packed if self.packed_host else self.host)[layer][e]
+
+    def _set_holding(self, layer: int, e: int, h) -> None:
+        (self.packed if self.packed_host else self.host)[layer][e] = h
+
+    def _device_copy(self, w: ExpertWeights) -> ExpertWeights:
+        dtype = None if self.quant else self.dtype
+        return ExpertWeights(*(t.to(self.device, dtype, copy=True) for t in (w.w1, w.w3, w.w2)))
+
+    def _host_copy(self, w: ExpertWeights):
+        """The host copy of an expert: packed (pinned at the byte on CUDA), else the given weights in dtype."""
+        if self.packed_host:
+            p = self._pack(w)
+            if not self.cuda:
+                return p
+            w13, w2 = (hostmem.pinned_copy(t) for t in p.packed())
+            if self.quant is not None:
+                return self.kernel.quant.QuantExpert.from_packed(self.quant, p.hidden, p.ffn, w13, w2)
+            return self.kernel.PackedExpert.from_packed(p.hidden, p.ffn, w13, w2)
+        ts = (t if (t.dtype == self.dtype or self.quant) else t.to(self.dtype) for t in (w.w1, w.w3, w.w2))
+        return ExpertWeights(*(hostmem.pinned_copy(t) if self.cuda else t for t in ts))
+
+    def _host_tensors(self, h) -> list[torch.Tensor]:
+        """The tensors of a host copy, as kind b copies them."""
+        return list(h.packed()) if self.packed_host else [h.w1, h.w3, h.w2]
+
+    def _allocate_buffers(self) -> None:
+        """COPY_BUFFERS slots shaped like a host copy, on the GPU side, and the unpack scratch (bf16 packed)."""
+        h = self._host_copies()[0]
+        self.buffers = [[torch.empty_like(t, device=self.device) for t in self._host_tensors(h)]
+                        for _ in range(COPY_BUFFERS)]
+        if self.packed_host and self.quant is None:
+            self.scratch = empty_expert(self.config, self.dtype, self.device)
+
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes this executor holds in host memory: expert copies (on an emulated GPU the resident ones too)
+        and copy buffers (where the GPU side is the CPU)."""
+        experts = sum(hostmem.nbytes(*self._host_tensors(h)) for h in self._host_copies())
+        buffers = 0
+        if not self.cuda:
+            experts += sum(hostmem.nbytes(r.w1, r.w3, r.w2) for row in self.resident for r in row if r is not None)
+            buffers = sum(hostmem.nbytes(*b) for b in self.buffers)
+            if self.scratch is not None:
+                buffers += hostmem.nbytes(self.scratch.w1, self.scratch.w3, self.scratch.w2)
+        return {"experts": experts, "buffers": buffers}
 
     # ------------------------------------------------------------------ dense or quantized experts
 
@@ -244,11 +312,6 @@ class FiddlerExecutor(ExpertExecutor):
         return fquant.dequantize_expert(w, self.quant, self.config.hidden_size, self.config.intermediate_size,
                                         dtype or self.dtype)
 
-    def _empty_expert(self) -> ExpertWeights:
-        if self.quant is not None:
-            return fquant.empty_expert_blocks(self.config, self.quant, self.device)
-        return empty_expert(self.config, self.dtype, self.device)
-
     # ------------------------------------------------------------------ bookkeeping
 
     def reset_stats(self) -> None:
@@ -265,7 +328,7 @@ class FiddlerExecutor(ExpertExecutor):
             "latency_model": self.latency_model.to_dict() if self.latency_model is not None else None,
             "cpu_expert_path": f"kernel:{k.isa()}" if k is not None else "torch",
             "packed_experts": sum(p is not None for row in self.packed for p in row),
-            "pack_skipped_low_memory": self.pack_skipped,
+            "host_bytes": self.host_bytes(),
             "overlap": th.overlap, "cpu_threads": th.cpu_queue, "gpu_side_threads": th.gpu_side,
             "all_threads": th.all, "copy_buffers": len(self.buffers), "expert_bytes": self.expert_bytes,
             "quant": self.quant,
@@ -295,10 +358,10 @@ class FiddlerExecutor(ExpertExecutor):
     def _cpu_expert(self, layer: int, e: int, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
         """One expert on the CPU, x in host memory. The torch fallback uses the calling thread's torch
         thread count (the worker's is the CPU queue's)."""
-        p = self.packed[layer][e]
-        if p is not None:
-            return p.forward(x, out=out, threads=threads)
-        return out.copy_(torch_expert(self._dense(self.host[layer][e]), x.to(self.dtype)))
+        h = self._holding(layer, e)
+        if self.packed_host:
+            return h.forward(x, out=out, threads=threads)
+        return out.copy_(torch_expert(self._dense(h), x.to(self.dtype)))
 
     def _run_cpu_queue(self, layer: int, experts: list[int], sizes: list[int], x_host: torch.Tensor,
                        ready: Any, threads: int) -> tuple[torch.Tensor, float]:
@@ -313,14 +376,31 @@ class FiddlerExecutor(ExpertExecutor):
             start += n
         return y, time.perf_counter() - t0
 
-    def _copy_in(self, layer: int, e: int, slot: int) -> ExpertWeights:
-        """Copy expert (layer, e) into buffer `slot` (kind b); compute issued next sees the copy."""
-        buf, h = self.buffers[slot], self.host[layer][e]
-        self.copy_in.copy(slot, (buf.w1, buf.w3, buf.w2), (h.w1, h.w3, h.w2))
-        self.copy_in.acquire(slot)
+    def _copy_in(self, layer: int, e: int, slot: int) -> None:
+        """Issue the copy of expert (layer, e)'s host bytes into buffer `slot` (kind b)."""
+        srcs = self._host_tensors(self._holding(layer, e))
+        self.copy_in.copy(slot, self.buffers[slot], srcs)
         self.stats.weight_copies += 1
-        self.stats.bytes_h2d_weights += self.expert_bytes
-        return buf
+        self.stats.bytes_h2d_weights += hostmem.nbytes(*srcs)
+
+    def _copied(self, slot: int) -> ExpertWeights:
+        """The expert copied into `slot`, for compute issued next: unpacked on the GPU side (bf16 into the
+        scratch, quantized into block bytes the compute dequantizes), or the buffer itself. The slot is
+        released here once unpacked, else by the caller after its compute."""
+        self.copy_in.acquire(slot)
+        if not self.packed_host:
+            return ExpertWeights(*self.buffers[slot])
+        H, F_, q = self.config.hidden_size, self.config.intermediate_size, self.quant
+        w13, w2 = self.buffers[slot]
+        if q is None:
+            s = self.scratch
+            layout.unpack_into([s.w1, s.w3], w13, F_, H)
+            layout.unpack_into([s.w2], w2, H, F_)
+            w = s
+        else:
+            w = ExpertWeights(*layout.unpack(w13, F_, H, 2, q), *layout.unpack(w2, H, F_, 1, q))
+        self.copy_in.release(slot)
+        return w
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Rows for the CPU queue in host memory, and the CUDA event their copy completes (None on the CPU)."""
@@ -369,19 +449,19 @@ class FiddlerExecutor(ExpertExecutor):
             prev_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads.gpu_side)
         try:
-            queue = [(e, None) for e in plan.experts(GPU)] + [(e, i % COPY_BUFFERS)
-                                                              for i, e in enumerate(plan.experts(COPY))]
-            for e, buf_slot in queue:
-                w = self.resident[layer][e] if buf_slot is None else self._copy_in(layer, e, buf_slot)
-                t_e, s_e = groups.pairs(e)
-                if x_cpu.dtype == torch.float32 and self.dtype != torch.float32:
-                    # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
-                    y_e = torch_expert(self._dense(w, torch.float32), x_cpu.index_select(0, t_e)).to(self.dtype)
-                else:
-                    y_e = torch_expert(self._dense(w), x.index_select(0, t_e))
-                combined.put(t_e, s_e, y_e, topk_w)
-                if buf_slot is not None:
-                    self.copy_in.release(buf_slot)
+            # both buffers' copies are issued first, so they overlap the resident experts (as planned)
+            copied = plan.experts(COPY)
+            for i, e in enumerate(copied[:COPY_BUFFERS]):
+                self._copy_in(layer, e, i)
+            for e in plan.experts(GPU):
+                self._gpu_expert(self.resident[layer][e], groups.pairs(e), x, x_cpu, topk_w, combined)
+            for i, e in enumerate(copied):
+                slot = i % COPY_BUFFERS
+                self._gpu_expert(self._copied(slot), groups.pairs(e), x, x_cpu, topk_w, combined)
+                if not self.packed_host:
+                    self.copy_in.release(slot)
+                if i + COPY_BUFFERS < len(copied):
+                    self._copy_in(layer, copied[i + COPY_BUFFERS], slot)
         finally:
             if prev_threads is not None:
                 torch.set_num_threads(prev_threads)
@@ -399,6 +479,15 @@ class FiddlerExecutor(ExpertExecutor):
         self.stats.add_plan(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
         return out
 
+    def _gpu_expert(self, w: ExpertWeights, pairs, x, x_cpu, topk_w, combined: SlotOutputs) -> None:
+        t_e, s_e = pairs
+        if x_cpu.dtype == torch.float32 and self.dtype != torch.float32:
+            # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
+            y_e = torch_expert(self._dense(w, torch.float32), x_cpu.index_select(0, t_e)).to(self.dtype)
+        else:
+            y_e = torch_expert(self._dense(w), x.index_select(0, t_e))
+        combined.put(t_e, s_e, y_e, topk_w)
+
     def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                            t_start: float) -> torch.Tensor | None:
         """One token whose plan puts every routed expert on the CPU (always so without a GPU): all of
@@ -415,7 +504,7 @@ class FiddlerExecutor(ExpertExecutor):
             return None  # a repeated id (not from top-k): the general path sums its slots
         plan: LayerPlan = self.planner(counts, self.placement.resident[layer], self.latency_model)
         packed = self.packed[layer]
-        if any(d is not None and (d != CPU or packed[e] is None) for e, d in enumerate(plan.decisions)):
+        if not self.packed_host or any(d is not None and d != CPU for d in plan.decisions):
             return None
         moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
         out = moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
@@ -435,18 +524,14 @@ class FiddlerExecutor(ExpertExecutor):
         # Probe expert: a non-resident one if any (it is pre-packed), else layer 0 expert 0.
         pl, pe = next(((l, e) for l in range(self.config.num_moe_layers) for e in range(self.config.expert_slots)
                        if not self.placement.resident[l][e]), (0, 0))
-        host_tmp = self.host[pl][pe] is None  # a resident expert whose host copy was dropped (CUDA)
+        host_tmp = self._holding(pl, pe) is None  # every expert resident: a host copy to time kinds b and c
         if host_tmp:
             r = self.resident[pl][pe]
-            self.host[pl][pe] = ExpertWeights(*(w.to("cpu", copy=True).pin_memory() if self.cuda else w
-                                                for w in (r.w1, r.w3, r.w2)))
-        packed_tmp = self.packed[pl][pe] is None and self.kernel is not None
-        if packed_tmp:
-            h = self.host[pl][pe]
-            self.packed[pl][pe] = self._pack(h)
+            host = ExpertWeights(*(w.to("cpu", copy=True) for w in (r.w1, r.w3, r.w2)))
+            self._set_holding(pl, pe, self._host_copy(host))
         buffers_tmp = not self.buffers
         if buffers_tmp:  # everything resident: borrow buffers just to time a copy
-            self.buffers = [self._empty_expert() for _ in range(COPY_BUFFERS)]
+            self._allocate_buffers()
         gen = torch.Generator().manual_seed(0)
         xs = {s: torch.randn(s, H, generator=gen).to(self.dtype).to(self.device) for s in counts}
         sync = torch.cuda.synchronize if self.cuda else (lambda: None)
@@ -471,19 +556,24 @@ class FiddlerExecutor(ExpertExecutor):
             if th.gpu_side is not None:
                 torch.set_num_threads(th.gpu_side)
             try:
-                torch_expert(self._dense(self.buffers[0]), xs[s])
+                torch_expert(self._dense(w_gpu), xs[s])
             finally:
                 torch.set_num_threads(prev)
             sync()
 
-        def copy_fn():
-            self._copy_in(pl, pe, 1 % COPY_BUFFERS)
+        def copy_fn():  # what kind b adds to a resident expert: the copy and the unpack on the GPU side
+            slot = 1 % COPY_BUFFERS
+            self._copy_in(pl, pe, slot)
+            self._copied(slot)
+            if not self.packed_host:
+                self.copy_in.release(slot)
             sync()
 
         key = (H, F_, str(self.dtype), str(self.device), th.cpu_queue, th.all, th.gpu_side, th.overlap,
                self.kernel is not None, tuple(counts), self.quant)
         try:
             self._copy_in(pl, pe, 0)
+            w_gpu = self._copied(0)
             sync()
             lm = calibrate(cpu_fn, gpu_fn, copy_fn, token_counts=counts, repeats=repeats, cache_key=key,
                            meta={"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
@@ -492,12 +582,10 @@ class FiddlerExecutor(ExpertExecutor):
                                  "cpu_expert_path": f"kernel:{self.kernel.isa()}" if self.kernel else "torch",
                                  "gpu_side": "cuda" if self.cuda else "cpu (emulated GPU)"})
         finally:
-            if packed_tmp:
-                self.packed[pl][pe] = None
             if host_tmp:
-                self.host[pl][pe] = None
+                self._set_holding(pl, pe, None)
             if buffers_tmp:
-                self.buffers = []
+                self.buffers, self.scratch = [], None
         self.reset_stats()  # calibration copies are not part of the workload
         return lm
 
@@ -532,7 +620,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
         strategy, kw = parse_placement(placement)
         pl = place(config, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
                    strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, quant=quant,
-                   **kw)
+                   overhead=gpu.overhead_bytes(), **kw)
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,

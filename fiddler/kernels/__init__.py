@@ -416,6 +416,12 @@ def _pack(ws: list[torch.Tensor], n: int, k: int) -> torch.Tensor:
     return buf
 
 
+def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    buf = aligned_buffer(t.numel())
+    buf.copy_(t.reshape(-1))
+    return buf
+
+
 def _check_x(x, k: int, what: str) -> int:
     _check_tensor("x", x, 2)
     if x.shape[1] != k:
@@ -450,6 +456,26 @@ class PackedExpert:
         self._w13 = _pack([w1, w3], ffn, hidden)
         self._w2 = _pack([w2], hidden, ffn)
         self.nbytes = self._w13.numel() + self._w2.numel()
+
+    @classmethod
+    def from_packed(cls, hidden: int, ffn: int, w13: torch.Tensor, w2: torch.Tensor) -> "PackedExpert":
+        """From packed buffers (`packed()` of an expert of this shape), used as they are when 64-byte aligned
+        (e.g. pinned host memory the GPU side copies from), else copied."""
+        self = cls.__new__(cls)
+        self.hidden, self.ffn = int(hidden), int(ffn)
+        L = _L()
+        for name, t, n, k, g in (("w13", w13, ffn, hidden, 2), ("w2", w2, hidden, ffn, 1)):
+            want = L.fk_packed_bytes(n, k, g)
+            if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != want or t.device.type != "cpu":
+                raise ValueError(f"packed {name} must be {want} uint8 CPU bytes, got {tuple(t.shape)} {t.dtype}")
+        self._w13, self._w2 = (t if t.data_ptr() % 64 == 0 and t.is_contiguous() else _aligned_copy(t)
+                               for t in (w13, w2))
+        self.nbytes = self._w13.numel() + self._w2.numel()
+        return self
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed (w13, w2) buffers (fiddler.kernels.layout describes and unpacks them)."""
+        return self._w13, self._w2
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         tokens = _check_x(x, self.hidden, "expert")

@@ -19,7 +19,7 @@ from ctypes import c_void_p
 
 import torch
 
-from . import _L, _check_out, _check_tensor, _check_x, _threads, aligned_buffer
+from . import _L, _aligned_copy, _check_out, _check_tensor, _check_x, _threads, aligned_buffer
 from . import _lib
 
 __all__ = ["FORMATS", "BLOCK_BYTES", "quantize", "dequantize", "QuantLinear", "QuantExpert", "moe_ffn",
@@ -186,7 +186,8 @@ class QuantExpert:
 
     @classmethod
     def from_packed(cls, fmt: str, hidden: int, ffn: int, w13: torch.Tensor, w2: torch.Tensor) -> "QuantExpert":
-        """From packed buffers saved earlier (`packed()`), e.g. the engine's on-disk cache."""
+        """From packed buffers (`packed()`), used as they are when 64-byte aligned (e.g. pinned host memory the
+        GPU side copies from), else copied (e.g. read from the engine's on-disk cache)."""
         self = cls.__new__(cls)
         self.fmt, self.hidden, self.ffn = fmt, int(hidden), int(ffn)
         L = _L()
@@ -194,7 +195,8 @@ class QuantExpert:
             want = L.fk_qpacked_bytes(FORMATS[fmt], n, (k + QK - 1) // QK * QK, g)
             if t.dtype != torch.uint8 or t.numel() != want:
                 raise ValueError(f"packed {name} must be {want} uint8 bytes, got {t.numel()} {t.dtype}")
-        self._w13, self._w2 = _aligned_copy(w13), _aligned_copy(w2)
+        self._w13, self._w2 = (t if t.data_ptr() % 64 == 0 and t.is_contiguous() and t.dim() == 1 else _aligned_copy(t)
+                               for t in (w13, w2))
         self.nbytes = self._w13.numel() + self._w2.numel()
         return self
 
@@ -237,12 +239,6 @@ def _check_qx(x, k: int, what: str) -> tuple[int, int]:
             raise ValueError(f"x must be [tokens, {k}] for this {what}, got {tuple(x.shape)}")
         return x.shape[0], 1
     return _check_x(x, k, what), 0
-
-
-def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
-    buf = aligned_buffer(t.numel())
-    buf.copy_(t.reshape(-1))
-    return buf
 
 
 def moe_ffn(experts: list[QuantExpert], weights: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None,

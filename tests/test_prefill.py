@@ -23,7 +23,6 @@ class ScriptedClock:
         return self.now
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: the crossover is measured only up to 256 tokens")
 def test_the_kernel_serves_the_linears_only_up_to_where_it_was_measured_to_win(monkeypatch):
     # A kernel that wins up to 256 tokens and loses at 512 must not serve a 4096-token prefill: the
     # crossover is measured over prefill sizes, not assumed from 256 tokens on.
@@ -46,7 +45,6 @@ def test_the_kernel_serves_the_linears_only_up_to_where_it_was_measured_to_win(m
     assert fe.choose_kernel_max_tokens(w) == 256
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: torch keeps one thread while it serves the prefill's linears")
 def test_torch_gets_every_core_where_it_serves_the_linears(monkeypatch):
     # While the packed kernel serves the linears torch keeps one thread (its pool would spin beside the
     # kernel's); beyond kernel_max_tokens torch serves them and does the prefill's heavy work, so it gets

@@ -299,10 +299,15 @@ class KVCache:
         return kc[:B, :, : pos + T], vc[:B, :, : pos + T]
 
     def reorder(self, beam_idx: torch.Tensor, length: int):
-        """Beam search: row b of the cache becomes old row beam_idx[b] (only the filled prefix is copied)."""
-        B = beam_idx.shape[0]
+        """Beam search: row b of the cache becomes old row beam_idx[b]. Only the rows that change are copied
+        (beams that continue their own row keep it), and only their filled prefix."""
+        moved = torch.nonzero(beam_idx != torch.arange(beam_idx.shape[0], device=beam_idx.device)).flatten()
+        if not moved.numel():
+            return
+        src = beam_idx[moved]
         for t in (self.k, self.v) + (self._other or ()):
-            t[:, :B, :, :length] = t[:, :B, :, :length].index_select(1, beam_idx.to(t.device))
+            dst, s = moved.to(t.device), src.to(t.device)
+            t[:, dst, :, :length] = t[:, s, :, :length]  # the right side is gathered first: a permutation is safe
 
     @property
     def nbytes(self) -> int:

@@ -58,3 +58,25 @@ def test_the_decode_bound_counts_each_steps_distinct_experts_per_layer(beams):
     distinct = [len(set(step[layer].ravel().tolist())) for step in steps[1:] for layer in range(cfg.num_moe_layers)]
     assert stats["decode_experts_per_layer"] == pytest.approx(sum(distinct) / len(distinct))
     assert cfg.top_k < stats["decode_experts_per_layer"] <= cfg.expert_slots  # 4 beams share some experts
+
+
+@pytest.mark.parametrize("beam_idx", [[0, 1, 2, 3], [1, 0, 3, 2], [0, 0, 1, 2], [3, 3, 3, 3], [2, 1, 0, 0]])
+def test_the_kv_reorder_copies_the_rows_that_change_into_every_beam(beam_idx):
+    # Only moved rows are copied; the result is every row b holding old row beam_idx[b] (swaps, several beams
+    # from one row, rows that keep their own), on the filled prefix, the rest untouched.
+    import torch
+
+    from fiddler.config import MoEConfig
+    from fiddler.model import KVCache
+
+    cfg = MoEConfig.from_pretrained(model_path("e8k2"))
+    cache = KVCache(cfg, 4, 16, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    idx = torch.tensor(beam_idx)
+    cache.reorder(idx, 10)
+    for new, old in ((cache.k, k0), (cache.v, v0)):
+        assert torch.equal(new[:, :, :, :10], old[:, :, :, :10].index_select(1, idx))
+        assert torch.equal(new[:, :, :, 10:], old[:, :, :, 10:])

@@ -93,7 +93,7 @@ class Patches:
 def engine_runner(path, max_seq: int, threads: int | None, sec: Sections):
     import fiddler.model as fm
     from fiddler import Engine
-    from fiddler.engine import torch_threads
+    from fiddler.threads import torch_threads
 
     engine = Engine.from_pretrained(path, cpu_threads=threads, max_seq_len=max_seq, max_batch=1)
     model, ex = engine.model, engine.executor
@@ -126,9 +126,7 @@ def engine_runner(path, max_seq: int, threads: int | None, sec: Sections):
 # ---------------------------------------------------------------------------- transformers
 
 def hf_runner(path, threads: int | None, sec: Sections):
-    from transformers import AutoModelForCausalLM
-    from transformers import DynamicCache
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: F401  (mask functions)
+    from transformers import AutoModelForCausalLM, DynamicCache
     import transformers.models.mixtral.modeling_mixtral as mm
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

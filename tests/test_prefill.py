@@ -13,6 +13,17 @@ from fiddler.executors import GpuSide
 from tests.models import model_path, prompt
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """Engines here set 2 threads (cpu_threads=2), process-wide: later tests get the counts back."""
+    import fiddler.kernels as fk
+
+    prev_torch, prev_kernel = torch.get_num_threads(), fk.get_num_threads()
+    yield
+    torch.set_num_threads(prev_torch)
+    fk.set_num_threads(prev_kernel)
+
+
 class ScriptedClock:
     """time.thread_time for choose_kernel_max_tokens: each timed call advances it by its scripted cost."""
 

@@ -631,8 +631,11 @@ class MoETransformer:
             return self._forward(tokens, start_pos, all_logits)
 
     def _torch_serves_linears(self, rows: int) -> bool:
-        lin = self.layers[0].o_proj  # every Linear has the same kernel_max_tokens (set_kernel_max_tokens)
-        return isinstance(lin, Linear) and lin.uses_torch(rows)
+        """Whether torch serves the projections the packed kernel serves at fewer rows (every Linear has the
+        same kernel_max_tokens; layers on a GPU always use torch, quantized projections their kernel)."""
+        lin = next((l.o_proj for l in self.layers if isinstance(l.o_proj, Linear) and l.o_proj.packed is not None),
+                   None)
+        return lin is not None and lin.uses_torch(rows)
 
     def _forward(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
         B, T = tokens.shape

@@ -10,7 +10,6 @@ The engine talks to its executor only through fiddler.executors.ExpertExecutor; 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -28,28 +27,21 @@ from .hostmem import host_storages
 from .kernel_loader import load_kernels
 from .model import MoETransformer
 from .placement import DensePlacement, dense_placement, layer_dense_bytes
+from .threads import torch_threads
 from .weights import load_weights
 
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_BATCH = 4
 
 
-@contextlib.contextmanager
-def torch_threads(n: int | None):
-    """Temporarily set torch's intra-op thread count (None: leave it)."""
-    prev = torch.get_num_threads()
-    if n is not None and n != prev:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n is not None and n != prev:
-            torch.set_num_threads(prev)
+# Token counts the linears' crossover is measured at: up to prefill sizes, since a kernel that wins at 256
+# tokens may lose at 2048 (issue 21: 1.8x slower there than oneDNN on a Xeon with AMX).
+CROSSOVER_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 
 
-def choose_kernel_max_tokens(weight: torch.Tensor, candidates=(16, 32, 64, 128, 256), repeats: int = 3, floor: int = 8) -> int:
+def choose_kernel_max_tokens(weight: torch.Tensor, candidates=CROSSOVER_TOKENS, repeats: int = 3, floor: int = 8) -> int:
     """Largest token count at which the packed kernel still beats torch's matmul (oneDNN/AMX) on `weight`;
-    beyond it Linear uses torch. Compared per thread, in CPU time of the calling thread (both run with one
+    beyond it Linear uses torch (every count when it wins at the last candidate). Compared per thread, in CPU time of the calling thread (both run with one
     thread here): the machine may be shared, and wall time of a multi-threaded call then measures the
     scheduler; while the kernel is active torch keeps one thread anyway (see Engine). At most `floor`
     tokens (decode, beams) the kernel is always used: that is the memory-bound GEMV regime where torch's
@@ -94,7 +86,9 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
 
     While the packed kernel runs the CPU linears (and the executor's CPU experts), torch keeps one intra-op
     thread: libgomp's workers spin for milliseconds after each parallel region, and two spinning pools on
-    the same cores slow decode several-fold. torch then only runs small ops."""
+    the same cores slow decode several-fold. torch then only runs small ops; where it serves the linears
+    (more tokens than the kernel's crossover: long prefills) it gets the cores back for that forward
+    (MoETransformer.torch_linear_threads)."""
     kernel_linears = any(l.packed is not None for l in model.linears())
     # measured on the first layer's first packed projection (the fused qkv in GQA models)
     probe = next((l for l in model.layers[0].linears() if l.packed is not None), None) if kernel_linears else None
@@ -102,6 +96,8 @@ def finalise_linears(model: MoETransformer, executor: ExpertExecutor) -> int | N
     executor.bind_model(model)
     if max_tokens is not None:
         model.set_kernel_max_tokens(max_tokens)
+    if kernel_linears:
+        model.torch_linear_threads = torch.get_num_threads()  # the engine's cores (set_cpu_threads ran)
     return 1 if kernel_linears else None
 
 

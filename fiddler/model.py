@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from .config import MoEConfig
 from .executors.contract import ExpertExecutor
 from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
+from .threads import torch_threads
 from .weights import ExpertWeights, ModelWeights
 
 
@@ -44,9 +45,12 @@ class Linear:
         self.packed = k.PackedLinear(weight, bias) if (use_kernel and k is not None) else None
         self.threads: int | None = None
 
+    def uses_torch(self, tokens: int) -> bool:
+        return self.packed is None or tokens > self.kernel_max_tokens
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out` (kernel path only): a preallocated [tokens, out_features] result buffer to write into."""
-        if self.packed is not None and x.shape[0] <= self.kernel_max_tokens:
+        if not self.uses_torch(x.shape[0]):
             return self.packed.forward(x, out=out, threads=self.threads, out_dtype=out_dtype or x.dtype)
         y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
@@ -295,10 +299,15 @@ class KVCache:
         return kc[:B, :, : pos + T], vc[:B, :, : pos + T]
 
     def reorder(self, beam_idx: torch.Tensor, length: int):
-        """Beam search: row b of the cache becomes old row beam_idx[b] (only the filled prefix is copied)."""
-        B = beam_idx.shape[0]
+        """Beam search: row b of the cache becomes old row beam_idx[b]. Only the rows that change are copied
+        (beams that continue their own row keep it), and only their filled prefix."""
+        moved = torch.nonzero(beam_idx != torch.arange(beam_idx.shape[0], device=beam_idx.device)).flatten()
+        if not moved.numel():
+            return
+        src = beam_idx[moved]
         for t in (self.k, self.v) + (self._other or ()):
-            t[:, :B, :, :length] = t[:, :B, :, :length].index_select(1, beam_idx.to(t.device))
+            dst, s = moved.to(t.device), src.to(t.device)
+            t[:, dst, :, :length] = t[:, s, :, :length]  # the right side is gathered first: a permutation is safe
 
     @property
     def nbytes(self) -> int:
@@ -328,6 +337,10 @@ class MoETransformer:
     """
 
     fp32_quant_acts: bool = False
+    # torch's intra-op threads for a forward whose linears torch serves (more rows than kernel_max_tokens:
+    # a long prefill), where torch does the heavy work; the engine sets its cores here while it keeps
+    # torch at one thread for the kernel's sake (fiddler.engine.finalise_linears). None: leave torch's.
+    torch_linear_threads: int | None = None
 
     def __init__(
         self,
@@ -612,8 +625,20 @@ class MoETransformer:
             raise ValueError(f"sequence length {start_pos + T} exceeds the KV cache size max_seq_len={self.max_seq_len}")
         if B > self.max_batch:
             raise ValueError(f"batch {B} exceeds max_batch={self.max_batch}")
-        if T == 1 and self.decode_fastpath and self._decode_ops is not None and tokens.device.type == "cpu":
-            return self._decode_step(tokens, start_pos, all_logits)
+        with torch_threads(self.torch_linear_threads if self._torch_serves_linears(B * T) else None):
+            if T == 1 and self.decode_fastpath and self._decode_ops is not None and tokens.device.type == "cpu":
+                return self._decode_step(tokens, start_pos, all_logits)
+            return self._forward(tokens, start_pos, all_logits)
+
+    def _torch_serves_linears(self, rows: int) -> bool:
+        """Whether torch serves the projections the packed kernel serves at fewer rows (every Linear has the
+        same kernel_max_tokens; layers on a GPU always use torch, quantized projections their kernel)."""
+        lin = next((l.o_proj for l in self.layers if isinstance(l.o_proj, Linear) and l.o_proj.packed is not None),
+                   None)
+        return lin is not None and lin.uses_torch(rows)
+
+    def _forward(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
+        B, T = tokens.shape
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         norm = rms_norm_f32 if self.fp32_quant_acts else rms_norm  # final norm: bf16 into the bf16 lm_head
         x = F.embedding(tokens.reshape(-1).to(self.embed.device), self.embed)  # [B*T, H]

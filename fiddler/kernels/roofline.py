@@ -13,7 +13,6 @@ A kernel that beats torch raises its own yardstick. `compute_peak()["best"]` say
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +23,9 @@ KINDS = ("bf16", "q8_0", "q4_0")
 
 
 def _best_s(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch, oneDNN's primitive cache, the kernel's pool
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    from fiddler.latency import best_time
+
+    return best_time(fn, repeats=repeats, warmup=1)  # warm-up: first-touch, oneDNN's primitive cache, the pool
 
 
 def _threads(threads: int | None) -> int:

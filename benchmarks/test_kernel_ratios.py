@@ -88,13 +88,16 @@ def test_kernel(benchmark, experts, limit_buf, peak, rounds, tokens):
     path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes)
     # the roofline of the round with the best limit: max(its memory time, the compute peak's time)
-    gflops = peak.flops / peak_s / 1e9
+    # the kernel's own best includes this call: a peak it beats would be no peak (the expert at 256-512
+    # tokens has read faster than the probe's product)
+    gflops, peak_by = max((peak.flops / peak_s / 1e9, peak.winner()),
+                          (flops / best["kernel_s"] / 1e9, f"kernel_expert_t{tokens}"))
     roof_s = roofline.roofline_s(weight_bytes, flops, weight_bytes / best["limit_s"] / 1e9, gflops)
     record_ratio(benchmark, f"kernel_vs_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
                  {**best, "peak_s": peak_s, "roofline_s": roof_s},
                  f"roofline time / kernel time, {tokens} token(s) (compute peak {gflops:.0f} GFLOP/s by "
-                 f"{peak.winner()}, the better of {', '.join(peak.sources)})", peak_gflops=gflops,
-                 peak_by=peak.winner(), flops=flops, **common)
+                 f"{peak_by}, the best of {', '.join(peak.sources)} and this call)", peak_gflops=gflops,
+                 peak_by=peak_by, flops=flops, **common)
     record_ratio(benchmark, f"kernel_vs_torch_t{tokens}", best["torch_s"] / best["kernel_s"], "higher",
                  best, f"torch bf16 expert time / kernel time, {tokens} token(s)", **common)
     record_ratio(benchmark, f"kernel_vs_limit_t{tokens}", best["limit_s"] / best["kernel_s"], "higher",

@@ -70,10 +70,12 @@ def test_quant_kernel(benchmark, limit_buf, quant_experts, rounds, tokens):
                      f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({mode['mode']} on {mode['isa']})",
                      **common)
     flops = roofline.expert_flops(HIDDEN, FFN, tokens)
-    gops = peak.flops / peak_s / 1e9
+    # the kernel's own best includes this call: a peak it beats would be no peak
+    gops, peak_by = max((peak.flops / peak_s / 1e9, peak.winner()),
+                       (flops / best["kernel_s"] / 1e9, f"kernel_expert_t{tokens}"))
     roof_s = roofline.roofline_s(e0.nbytes, flops, e0.nbytes / best["limit_s"] / 1e9, gops)
     record_ratio(benchmark, f"quant_{fmt}_vs_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
                  {**best, "peak_s": peak_s, "roofline_s": roof_s},
                  f"roofline time / {fmt} expert time, {tokens} token(s) ({mode['mode']} on {mode['isa']}; compute peak "
-                 f"{gops:.0f} GOP/s by {peak.winner()}, the better of {', '.join(peak.sources)})", peak_gops=gops,
-                 peak_by=peak.winner(), flops=flops, **common)
+                 f"{gops:.0f} GOP/s by {peak_by}, the best of {', '.join(peak.sources)} and this call)", peak_gops=gops,
+                 peak_by=peak_by, flops=flops, **common)

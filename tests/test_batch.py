@@ -218,3 +218,18 @@ def test_scheduler_decodes_first_then_chunks_prompts_fifo():
     assert d.slot == 0  # a's slot went to the queue's head
     with pytest.raises(ValueError, match="token_budget"):
         Scheduler(slots=4, token_budget=2, max_queue=1)
+
+
+def test_slots_count_in_the_gpu_side_reservation():
+    """The slots are the KV cache's rows: placement's GPU-side reservation holds all of them."""
+    from fiddler.executors import FiddlerPolicy, GpuSide
+
+    def reserved(slots):
+        be = BatchEngine.from_pretrained(synthetic_model("tiny_mixtral"), slots=slots, max_seq_len=64,
+                                         dtype=torch.float32, gpu=GpuSide.emulated(1 << 40),
+                                         executor=FiddlerPolicy(placement="none"))
+        kv = be.engine.info()["executor_info"]["placement"]["reserved_bytes"]["kv_cache"]
+        assert kv == be.model.cache.nbytes and be.scheduler.slots == slots
+        return kv
+
+    assert reserved(12) == 3 * reserved(4)

@@ -253,7 +253,7 @@ def test_committed_floors_cover_both_classes():
     for cls in ("avx512", "avx2"):
         quick = data["classes"][cls]["quick"]
         for name in ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "kernel_vs_limit_t64", "engine_decode_vs_transformers",
-                     "planner_makespan_e128k8_t1"):
+                     "planner_makespan_e128k8_t1", "batch_decode16_vs_1"):
             assert quick[name]["floor"] is not None, (cls, name)
 
 

@@ -93,6 +93,9 @@ class BatchEngine:
         self._step_lock = threading.Lock()  # one step at a time, whoever drives it
         self.steps: deque[StepStats] = deque(maxlen=keep_steps)
         self.n_steps = 0
+        # since construction, whatever `steps` still keeps (a server's counters)
+        self.totals = {"steps": 0, "tokens": 0, "decode_tokens": 0, "prefill_tokens": 0, "seconds": 0.0,
+                       "experts": {k: 0 for k in "abc"}, "finished": {}}
         engine.executor.reset_stats()
 
     @classmethod
@@ -106,7 +109,7 @@ class BatchEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prompt, params: SamplingParams | None = None, *, on_token=None) -> Request:
+    def submit(self, prompt, params: SamplingParams | None = None, *, on_token=None, on_finish=None) -> Request:
         """Queue a request. Raises ValueError if it can never fit the context (naming the lengths) or its
         ids are out of the vocabulary, QueueFull if the queue is at max_queue."""
         params = params or SamplingParams()
@@ -117,7 +120,8 @@ class BatchEngine:
             seed = params.seed if params.seed is not None else \
                 int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             gen = None if params.greedy else torch.Generator(device=self.model.device).manual_seed(seed)
-            req = Request(self._next_id, ids, params, on_token=on_token, generator=gen, _engine=self)
+            req = Request(self._next_id, ids, params, on_token=on_token, on_finish=on_finish, generator=gen,
+                          _engine=self)
             self.scheduler.add(req)  # QueueFull before the id is used
             self._next_id += 1
             self._cv.notify_all()
@@ -175,6 +179,12 @@ class BatchEngine:
                 seconds=time.perf_counter() - t0)
             self.steps.append(st)
             self.n_steps += 1
+            t = self.totals
+            t["steps"] += 1
+            for f in ("tokens", "decode_tokens", "prefill_tokens", "seconds"):
+                t[f] += getattr(st, f)
+            for k, v in st.experts.items():
+                t["experts"][k] = t["experts"].get(k, 0) + v
             self._cv.notify_all()
         return st
 
@@ -226,7 +236,10 @@ class BatchEngine:
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         r.finish_reason, r.error, r.finished_at = reason, error, time.perf_counter()
         r.slot = None
+        self.totals["finished"][reason] = self.totals["finished"].get(reason, 0) + 1
         self._cv.notify_all()
+        if r.on_finish is not None:
+            r.on_finish(r)
 
     # ------------------------------------------------------------------ driving
 

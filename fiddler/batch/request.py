@@ -63,7 +63,8 @@ class Request:
     id: int
     prompt: torch.Tensor  # [S] int64 on the CPU
     params: SamplingParams
-    on_token: Callable[[int], None] | None = None
+    on_token: Callable[[int], None] | None = None  # called on the engine's thread with each new token
+    on_finish: Callable[["Request"], None] | None = None  # called on the engine's thread once it has finished
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None

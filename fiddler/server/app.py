@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP app over a BatchEngine (FastAPI on uvicorn: the stack vLLM, llama-cpp-python's
+server and `transformers serve` use, so clients meet the same SSE framing and disconnect behaviour).
+
+The batch engine steps on its own loop thread; each HTTP request submits to it and receives tokens through
+callbacks bridged into its asyncio task. A client that disconnects cancels its request (its slot is freed
+at the next step). While loading or draining, /health and the generation routes answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..batch import QueueFull
+from . import protocol as P
+from .metrics import Metrics
+
+
+class Detokenizer:
+    """Text deltas of a growing token list for streaming (the offsets scheme of vLLM's and TGI's
+    detokenizers): a token's text is decoded with a few tokens before it, since pieces like SentencePiece's
+    byte fallback only make text together, and a trailing partial UTF-8 sequence (U+FFFD) waits for the
+    next token. `full()` is the whole decode, which a non-streamed answer returns."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """The rest, once the tokens are complete (a partial sequence stays U+FFFD)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        before = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
+        if len(text) > len(before) and (final or not text.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def full(self) -> str:
+        return self._decode(self.ids)
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `loader` builds (batch engine, tokenizer) on a thread at startup."""
+
+    loader: Callable[[], tuple]
+    model_name: str
+    context: int | None = None
+    batch_engine: object = None
+    tokenizer: object = None
+    load_error: str | None = None
+    draining: bool = False
+    metrics: Metrics = field(default_factory=Metrics)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def load(self) -> None:
+        try:
+            be, tok = self.loader()
+            be.start()
+            self.batch_engine, self.tokenizer = be, tok
+            self.context = min(be.model.max_seq_len, be.engine.config.max_position_embeddings)
+            self.ready.set()
+        except Exception as e:  # /health says why
+            self.load_error = f"{type(e).__name__}: {e}"
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise P.unavailable("the server is draining (shutting down)", 5)
+        if not self.ready.is_set():
+            raise P.unavailable(f"the model failed to load: {self.load_error}" if self.load_error else
+                                "the model is loading")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="fiddler", docs_url=None, redoc_url=None)
+
+    @app.on_event("startup")
+    async def _load():
+        threading.Thread(target=state.load, name="fiddler-load", daemon=True).start()
+
+    def error_response(e: P.APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        return error_response(e)
+
+    @app.exception_handler(404)
+    async def _not_found(request, e):
+        return error_response(P.APIError(404, f"no route {request.method} {request.url.path}", "invalid_request_error",
+                                         "not_found"))
+
+    @app.exception_handler(405)
+    async def _not_allowed(request, e):
+        return error_response(P.APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                         "invalid_request_error", "method_not_allowed"))
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+        if not state.ready.is_set():
+            body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "fiddler"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(state.batch_engine), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, chat: bool):
+        route = "chat" if chat else "completions"
+        try:
+            state.check_serving()
+            body = P.parse_body(await request.body())
+            job = P.make_job(body, state.tokenizer, chat=chat, context=state.context, served_model=state.model_name)
+        except P.APIError as e:
+            state.metrics.request_done(route, f"error_{e.status}")
+            return error_response(e)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+        try:
+            req = state.batch_engine.submit(job.prompt_ids, job.params, on_token=put, on_finish=lambda r: put(None))
+        except QueueFull as e:
+            state.metrics.request_done(route, "error_503")
+            return error_response(P.unavailable(str(e)))
+        except ValueError as e:
+            state.metrics.request_done(route, "error_400")
+            return error_response(P.bad(str(e)))
+        run = _Run(state, job, req, queue, route)
+        if job.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await run.whole(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+class _Run:
+    """One HTTP request's generation: tokens from the engine's callbacks, text through the detokenizer, stop
+    strings applied, the request cancelled if the client goes away."""
+
+    def __init__(self, state: ServerState, job: P.Job, req, queue: asyncio.Queue, route: str):
+        self.state, self.job, self.req, self.queue, self.route = state, job, req, queue, route
+        self.detok = Detokenizer(state.tokenizer)
+        self.text, self.tokens, self.stopped = "", 0, False
+
+    def _take(self, token: int | None) -> str:
+        """The text this token adds (None: the rest, at the end), cut at a stop string (which then ends the
+        request)."""
+        if token is None:
+            delta = self.detok.flush()
+        else:
+            self.tokens += 1
+            delta = self.detok.add(token)
+        if not self.job.stop_strings or self.stopped:
+            self.text += delta
+            return delta
+        before = len(self.text)
+        full = self.text + delta
+        cut = min((i for i in (full.find(s, max(0, before - len(s))) for s in self.job.stop_strings) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.req.cancel()
+            full = full[:cut]
+        self.text = full
+        return full[before:]
+
+    def _finish(self, outcome: str):
+        r = self.req
+        ttft = r.first_token_at - r.submitted_at if r.first_token_at is not None else None
+        self.state.metrics.request_done(self.route, outcome, len(self.job.prompt_ids), self.tokens, ttft)
+
+    def _reason(self) -> str | None:
+        return "stop" if self.stopped else P.finish_reason(self.req.finish_reason)
+
+    async def events(self):
+        """Server-sent events: chunks as tokens come, the final chunk with its finish reason, the usage chunk
+        if asked for, then [DONE]."""
+        model, done = self.state.model_name, False
+        try:
+            if self.job.chat:
+                yield _sse(P.chunk(self.job, model, None, None, first=True))
+            while True:
+                item = await self.queue.get()
+                if self.stopped:
+                    if item is None:
+                        break
+                    continue
+                sent = len(self.detok.ids)
+                delta = self._take(item)
+                if delta or (item is not None and self.job.return_token_ids):
+                    ids = self.detok.ids[sent:] if self.job.return_token_ids else None  # this token's
+                    yield _sse(P.chunk(self.job, model, delta, None, token_ids=ids))
+                if item is None:
+                    break
+            if self.req.finish_reason == "error":
+                yield _sse({"error": {"message": self.req.error, "type": "server_error", "code": "engine_error"}})
+            else:
+                yield _sse(P.chunk(self.job, model, None if self.job.chat else "", self._reason()))
+                if self.job.include_usage:
+                    yield _sse(P.usage_chunk(self.job, model, self.tokens))
+            yield "data: [DONE]\n\n"
+            done = True
+            self._finish("error_500" if self.req.finish_reason == "error" else "ok")
+        finally:
+            if not done:  # the client went away mid-stream: free its slot
+                self.req.cancel()
+                self._finish("disconnected")
+
+    async def whole(self, request):
+        while True:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.req.cancel()
+                    self._finish("disconnected")
+                    return JSONResponse({}, status_code=499)
+                continue
+            if not self.stopped:
+                self._take(item)
+            if item is None:
+                break
+        if self.req.finish_reason == "error":
+            self._finish("error_500")
+            return JSONResponse(P.APIError(500, self.req.error or "engine error", "server_error",
+                                           "engine_error").body(), status_code=500)
+        self._finish("ok")
+        text = self.detok.full()
+        if self.stopped:  # the whole decode, cut at the first stop string as the stream was
+            text = text[: min((i for i in (text.find(s) for s in self.job.stop_strings) if i >= 0), default=len(text))]
+        return P.response(self.job, self.state.model_name, text, self._reason(), self.tokens,
+                          self.detok.ids if self.job.return_token_ids else None)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def drain(state: ServerState, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Stop taking requests and wait until those in flight have finished (True) or timeout_s passed."""
+    state.draining = True
+    be = state.batch_engine
+    end = time.monotonic() + timeout_s
+    while be is not None and not be.scheduler.idle and time.monotonic() < end:
+        time.sleep(poll_s)
+    return be is None or be.scheduler.idle

@@ -1,0 +1,91 @@
+"""/metrics in Prometheus' text format (0.0.4), written here: a few counters and two histograms do not need a
+client library."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets, self.counts, self.sum, self.n = tuple(buckets), [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        i = bisect.bisect_left(self.buckets, v)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.sum += v
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [], 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{b}"}} {acc}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
+        return out
+
+
+class Metrics:
+    """What the server counts itself (requests by outcome, tokens sent, TTFT); the batch engine's own
+    counters (running, waiting, tokens per step, decisions by kind) are read when rendering."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}  # (route, outcome) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
+        self._seen_steps = 0
+
+    def request_done(self, route: str, outcome: str, prompt_tokens: int = 0, generation_tokens: int = 0,
+                     ttft_s: float | None = None) -> None:
+        with self._lock:
+            self.requests[(route, outcome)] = self.requests.get((route, outcome), 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
+
+    def render(self, batch_engine) -> str:
+        with self._lock:
+            lines = ["# HELP fiddler_requests_total Finished HTTP generation requests by route and outcome.",
+                     "# TYPE fiddler_requests_total counter"]
+            for (route, outcome), n in sorted(self.requests.items()):
+                lines.append(f'fiddler_requests_total{{route="{route}",outcome="{outcome}"}} {n}')
+            lines += ["# HELP fiddler_prompt_tokens_total Prompt tokens of finished requests.",
+                      "# TYPE fiddler_prompt_tokens_total counter", f"fiddler_prompt_tokens_total {self.prompt_tokens}",
+                      "# HELP fiddler_generation_tokens_total Tokens generated for finished requests.",
+                      "# TYPE fiddler_generation_tokens_total counter",
+                      f"fiddler_generation_tokens_total {self.generation_tokens}",
+                      "# HELP fiddler_time_to_first_token_seconds Submit to first token, per request.",
+                      "# TYPE fiddler_time_to_first_token_seconds histogram",
+                      *self.ttft.lines("fiddler_time_to_first_token_seconds")]
+            if batch_engine is not None:
+                steps = list(batch_engine.steps)
+                new = batch_engine.n_steps - self._seen_steps
+                for s in steps[len(steps) - min(new, len(steps)):]:
+                    self.step_tokens.observe(s.tokens)
+                self._seen_steps = batch_engine.n_steps
+                t = batch_engine.totals
+                lines += ["# HELP fiddler_requests_running Requests holding a slot.", "# TYPE fiddler_requests_running gauge",
+                          f"fiddler_requests_running {len(batch_engine.scheduler.running)}",
+                          "# HELP fiddler_requests_waiting Requests queued for a slot.",
+                          "# TYPE fiddler_requests_waiting gauge",
+                          f"fiddler_requests_waiting {len(batch_engine.scheduler.waiting)}",
+                          "# HELP fiddler_step_tokens Tokens per engine step.", "# TYPE fiddler_step_tokens histogram",
+                          *self.step_tokens.lines("fiddler_step_tokens"),
+                          "# HELP fiddler_engine_tokens_total Tokens the engine ran, by phase.",
+                          "# TYPE fiddler_engine_tokens_total counter",
+                          f'fiddler_engine_tokens_total{{phase="decode"}} {t["decode_tokens"]}',
+                          f'fiddler_engine_tokens_total{{phase="prefill"}} {t["prefill_tokens"]}',
+                          "# HELP fiddler_expert_decisions_total Experts run, by the planner's decision (a: resident "
+                          "on the GPU, b: copied in, c: on the CPU).",
+                          "# TYPE fiddler_expert_decisions_total counter",
+                          *(f'fiddler_expert_decisions_total{{kind="{k}"}} {t["experts"].get(k, 0)}' for k in "abc")]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,202 @@
+"""The OpenAI API's request fields and response shapes, as benchmark clients (guidellm, vllm bench serve) and
+chat UIs send and read them. No HTTP here: the app (fiddler.server.app) turns APIError into a response."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..batch import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 256  # for /v1/chat/completions, clipped to the context left after the prompt
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape {"error": {"message", "type", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+def bad(message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", code)
+
+
+def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    return APIError(503, message, "service_unavailable", "unavailable", {"Retry-After": str(retry_after_s)})
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", "invalid_json")
+    return body
+
+
+def default_chat_prompt(messages: list[dict]) -> str:
+    """The documented default chat format for models without a chat template (the generated ones): each
+    message as "<|role|>\\n{content}\\n", then "<|assistant|>\\n" to cue the reply."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+@dataclass
+class Job:
+    """A validated request: what to submit to the batch engine and how to answer."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    stop_strings: tuple[str, ...] = ()
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) also carries its token ids
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _opt(body: dict, key: str, kind, check=None, what: str = "") -> object:
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, kind) and not isinstance(v, bool) if kind is not bool else isinstance(v, bool)
+    if not ok or (check is not None and not check(v)):
+        raise bad(f"'{key}' must be {what}, got {v!r}")
+    return v
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list of {role, content}", "missing_messages")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"each message needs a string 'role', got {m!r}")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: the text ones
+            c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(c, str):
+            raise bad(f"each message needs a string 'content', got {m.get('content')!r}")
+        out.append({"role": m["role"], "content": c})
+    return out
+
+
+def make_job(body: dict, tokenizer, *, chat: bool, context: int, served_model: str) -> Job:
+    """Validate a /v1/completions or /v1/chat/completions body into a Job (APIError 400/404 otherwise).
+    Unknown fields are ignored."""
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
+                       "invalid_request_error", "model_not_found")
+    if chat:
+        msgs = _messages(body)
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tokenizer(default_chat_prompt(msgs))["input_ids"]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            ids = tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif prompt is None:
+            raise bad("'prompt' is required", "missing_prompt")
+        else:
+            raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)")
+    n = _opt(body, "n", int, lambda v: v == 1, "1 (one choice per request)")
+    del n
+    max_tokens = _opt(body, "max_completion_tokens", int, lambda v: v >= 1, "an integer >= 1") if chat else None
+    if max_tokens is None:
+        max_tokens = _opt(body, "max_tokens", int, lambda v: v >= 1, "an integer >= 1")
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, context - len(ids))) if chat else DEFAULT_MAX_TOKENS
+    temperature = _opt(body, "temperature", (int, float), lambda v: math.isfinite(v) and 0 <= v <= 2,
+                       "a number in [0, 2]")
+    top_p = _opt(body, "top_p", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]")
+    top_k = _opt(body, "top_k", int, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)")
+    seed = _opt(body, "seed", int, None, "an integer")
+    ignore_eos = _opt(body, "ignore_eos", bool, None, "true or false")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stops = tuple(s for s in stop if s)
+    else:
+        raise bad(f"'stop' must be null, a string or a list of at most 4 strings, got {stop!r}")
+    stream = _opt(body, "stream", bool, None, "true or false") or False
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad(f"'stream_options' must be an object, got {opts!r}")
+    include_usage = bool((opts or {}).get("include_usage")) and stream
+    if len(ids) + max_tokens > context:
+        raise bad(f"the prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the context of "
+                  f"{context} tokens", "context_length_exceeded")
+    params = SamplingParams(max_tokens=int(max_tokens), temperature=1.0 if temperature is None else float(temperature),
+                            top_k=None if top_k in (None, -1, 0) else int(top_k),
+                            top_p=None if top_p is None else float(top_p), seed=seed,
+                            ignore_eos=bool(ignore_eos))
+    return_ids = _opt(body, "return_token_ids", bool, None, "true or false") or False
+    return Job(list(ids), params, chat, stream, include_usage, stops, return_ids)
+
+
+def usage(job: Job, completion_tokens: int) -> dict:
+    p = len(job.prompt_ids)
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reasons in OpenAI's terms (a stop string ends the request by cancelling it)."""
+    return {"length": "length", "stop": "stop", "cancelled": "stop"}.get(reason, reason)
+
+
+def chunk(job: Job, model: str, text: str | None, reason: str | None, first: bool = False,
+          token_ids: list[int] | None = None) -> dict:
+    """One streamed chunk (text None: no content, e.g. the chat stream's opening role)."""
+    if job.chat:
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(job: Job, model: str, completion_tokens: int) -> dict:
+    return {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": job.created, "model": model, "choices": [], "usage": usage(job, completion_tokens)}
+
+
+def response(job: Job, model: str, text: str, reason: str | None, completion_tokens: int,
+             token_ids: list[int] | None = None) -> dict:
+    if job.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": job.id, "object": obj, "created": job.created, "model": model, "choices": [choice],
+            "usage": usage(job, completion_tokens)}

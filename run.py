@@ -30,6 +30,17 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     sweep = hc.mode == RunMode.MULTIRUN
     callbacks.clear_job_error(run_dir)
+    if getattr(cfg.get("mode"), "value", cfg.get("mode")) == "serve":  # one server until SIGTERM, no measurement (runners/serve.py)
+        if sweep:
+            print("error: mode=serve starts one server; it takes no -m sweep", file=sys.stderr)
+            sys.exit(2)
+        from runners.serve import serve
+
+        try:
+            sys.exit(serve(cfg, run_dir))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
     try:
         recs = run_job(cfg, run_dir)
     except ConfigError as exc:

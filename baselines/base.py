@@ -173,3 +173,15 @@ class SystemAdapter(abc.ABC):
 
     def close(self) -> None:
         """Release memory (called once after the last configuration of this system)."""
+
+    #: the route mode=serve polls until it answers 200 (runners/serve.py)
+    server_health_path = "/health"
+
+    def server_command(self, serve) -> list[str]:
+        """mode=serve: the command that starts this system's OpenAI-compatible server on the model (an
+        unloaded adapter; `serve` is runners.schema.ServeConfig). Raise SystemUnavailable where it cannot."""
+        raise SystemUnavailable(f"system={self.config.name} has no OpenAI-compatible server")
+
+    def server_notes(self) -> dict[str, Any]:
+        """Facts about the server for the run folder's serve.json (what it serves and how)."""
+        return {}

@@ -63,6 +63,17 @@ class GpuSide:
         """CUDA (default budget) when present, else none."""
         return cls.cuda() if torch.cuda.is_available() else cls.none()
 
+    @classmethod
+    def for_budget_gb(cls, gb: float | None) -> GpuSide:
+        """A budget in GiB as a user gives it: None the default, 0 none; else CUDA where present, and
+        without it an emulated GPU of that size (the CPU device stands in)."""
+        if gb is None:
+            return cls.default()
+        if gb == 0:
+            return cls.none()
+        budget = int(gb * (1 << 30))
+        return cls.cuda(budget) if torch.cuda.is_available() else cls.emulated(budget)
+
     @property
     def has_gpu(self) -> bool:
         return self.kind != NONE

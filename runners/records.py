@@ -82,7 +82,7 @@ def library_versions() -> dict[str, str | None]:
 def config_hash(config: dict[str, Any], point: dict[str, Any]) -> str:
     """Identity of a measurement: what was asked for (`identity.requested_config` minus run control),
     the point, and the code. Values measured at start are not in it (they are in the record)."""
-    measured = {k: v for k, v in config.items() if k not in ("run", "cache_dir")}
+    measured = {k: v for k, v in config.items() if k not in ("run", "cache_dir", "serve")}  # serve: mode=serve only
     # the workload's lists only say which points exist; the point itself is hashed below, so a
     # sweep that gains a point keeps the hashes of the points it already had (resume)
     measured["workload"] = {k: v for k, v in config["workload"].items()

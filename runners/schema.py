@@ -188,6 +188,7 @@ def system_configs() -> dict[str, type[SystemConfig]]:
 class Mode(Enum):
     execute = "execute"
     simulate = "simulate"
+    serve = "serve"  # start the system's OpenAI-compatible server on the model until SIGTERM (runners/serve.py)
 
 
 class Isolation(Enum):
@@ -262,6 +263,30 @@ class SimConfig:
 
 
 @dataclass
+class ServeConfig:
+    """mode=serve: where the system's server listens and how the engine's batch loop is sized."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 8  # requests decoded at once (fiddler's KV-cache rows; llama.cpp's server runs one)
+    max_queue: int = 256
+    token_budget: int = 512  # tokens per engine step (chunked prefill)
+    max_seq_len: int = 4096  # positions per slot (clipped to the model's context)
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    ready_timeout_s: float = 900.0  # for the server to load and answer /health
+
+    def __post_init__(self) -> None:
+        _check(lambda: 0 < self.port < 65536, "serve.port", self.port, "an integer in 1..65535")
+        for key in ("slots", "token_budget", "max_seq_len"):
+            _check(lambda: getattr(self, key) >= 1, f"serve.{key}", getattr(self, key), "an integer >= 1")
+        _check(lambda: self.max_queue >= 0, "serve.max_queue", self.max_queue, "an integer >= 0")
+        _check(lambda: self.token_budget >= self.slots, "serve.token_budget", self.token_budget,
+               f"an integer >= serve.slots ({self.slots})")
+        _check_number("serve.drain_timeout_s", self.drain_timeout_s)
+        _check_number("serve.ready_timeout_s", self.ready_timeout_s, above=True)
+
+
+@dataclass
 class Config:
     environment: EnvironmentConfig = MISSING
     workload: WorkloadConfig = MISSING
@@ -270,6 +295,7 @@ class Config:
     mode: Mode = Mode.execute
     run: RunConfig = field(default_factory=RunConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     cache_dir: str = "${oc.env:FIDDLER_CACHE,${oc.env:HOME}/.cache/fiddler}"
 
 

@@ -19,3 +19,39 @@ class FiddlerAdapter(EngineAdapter):
         popularity = c.popularity_profile or reference_popularity(self.model.name)
         return FiddlerPolicy(placement=c.placement.value, popularity=popularity, planner=c.planner.value,
                              overlap=c.overlap)
+
+    def server_command(self, serve) -> list[str]:
+        """fiddler.server with this system's options (placement, planner, profile, quant, GPU budget)."""
+        import sys
+
+        from .profiles import reference_popularity
+
+        c = self.config
+        if c.overlap is not None or c.record_routing:
+            from baselines.base import SystemUnavailable
+
+            raise SystemUnavailable("fiddler.server takes neither system.overlap nor system.record_routing")
+        gb = c.gpu_budget_gb if c.gpu_budget_gb is not None else self.ctx.gpu_memory_gb
+        cmd = [sys.executable, "-m", "fiddler.server", "--model", self.model.path, "--served-model-name",
+               self.model.name, "--host", serve.host, "--port", str(serve.port), "--slots", str(serve.slots),
+               "--max-queue", str(serve.max_queue), "--token-budget", str(serve.token_budget),
+               "--max-seq-len", str(serve.max_seq_len), "--dtype", self.model.dtype,
+               "--drain-timeout", f"{serve.drain_timeout_s:g}", "--gpu-budget-gb", f"{gb:g}",
+               "--cpu-threads", str(c.cpu_threads or self.ctx.threads), "--planner", c.planner.value,
+               "--placement", c.placement.value]
+        popularity = c.popularity_profile
+        reference = None if popularity else reference_popularity(self.model.name)
+        if reference is not None:  # the model's reference profile (a mean of several), as a file for the server
+            from pathlib import Path
+
+            popularity = Path(self.ctx.cache_dir) / "serve" / f"{self.model.name}-reference-popularity.json"
+            popularity.parent.mkdir(parents=True, exist_ok=True)
+            reference.save(popularity)
+        if popularity:
+            cmd += ["--popularity", str(popularity)]
+        if c.quant:
+            cmd += ["--quant", c.quant]
+        return cmd
+
+    def server_notes(self) -> dict:
+        return {"server": "fiddler.server (fiddler.batch.BatchEngine: continuous batching)"}

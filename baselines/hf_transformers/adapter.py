@@ -14,6 +14,24 @@ _FASTEST_FIRST = ("grouped_mm", "eager")
 
 
 class HFTransformersAdapter(SystemAdapter):
+    def server_command(self, serve) -> list[str]:
+        """`transformers serve` with continuous batching, the checkpoint preloaded (its serving extra)."""
+        import shutil
+
+        from transformers.utils.import_utils import is_serve_available
+
+        from baselines.base import SystemUnavailable
+
+        exe = shutil.which("transformers")
+        if exe is None or not is_serve_available():
+            raise SystemUnavailable("`transformers serve` needs its serving extra (openai, fastapi, uvicorn): "
+                                    "pip install 'transformers[serving]'")
+        return [exe, "serve", "--continuous-batching", "--host", serve.host, "--port", str(serve.port),
+                self.model.path]
+
+    def server_notes(self) -> dict[str, Any]:
+        return {"server": "transformers serve --continuous-batching"}
+
     def load(self) -> None:
         import torch
         from transformers import AutoModelForCausalLM

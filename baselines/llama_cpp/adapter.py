@@ -144,6 +144,38 @@ class LlamaCppAdapter(SystemAdapter):
             where = f"{fit.gpu_layers} whole layers{' and the output layer' if fit.output_on_gpu else ''}"
         return fit.n_gpu_layers, fit.n_cpu_moe, f"derived from environment.gpu.memory_gb={budget_gb:g}: {where} fit"
 
+    # llama-cpp-python's server has no /health: its model list answers once the model is loaded
+    server_health_path = "/v1/models"
+
+    def server_command(self, serve) -> list[str]:
+        """llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`, its `server` extra) on the
+        GGUF of the same weights, with this system's -ngl, threads, context and batch. It decodes one request
+        at a time (no continuous batching), and runs with interrupt_requests off so that a new request waits
+        for the one in flight instead of cutting it short."""
+        import importlib.util
+        import sys
+
+        missing = [m for m in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings", "fastapi",
+                               "uvicorn") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise SystemUnavailable(f"llama_cpp.server needs {', '.join(missing)}: pip install "
+                                    f"'llama-cpp-python[server]' (or the project's server extra)")
+        c = self.config
+        ngl, n_cpu_moe, self.ngl_source = self.resolve_offload()
+        if n_cpu_moe:
+            raise SystemUnavailable("llama_cpp.server has no --n-cpu-moe; serve with system.n_cpu_moe=0")
+        self.gguf_path = convert.ensure_gguf(self.model.path, c.quant, self.ctx.cache_dir, c.converter_dir,
+                                             self.threads, pure=self.pure_quant)
+        n_ctx = min(serve.max_seq_len, c.n_ctx or serve.max_seq_len)
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(self.gguf_path), "--model_alias",
+                self.model.name, "--host", serve.host, "--port", str(serve.port), "--n_ctx", str(n_ctx),
+                "--n_batch", str(c.n_batch), "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
+                "--n_gpu_layers", str(ngl), "--interrupt_requests", "False"]
+
+    def server_notes(self) -> dict[str, Any]:
+        return {"server": "llama_cpp.server (llama-cpp-python): one request at a time, interrupt_requests=False",
+                "gguf": str(self.gguf_path), "n_gpu_layers_source": self.ngl_source}
+
     def _ensure_context(self, request: GenerationRequest) -> bool:
         """Grow the context if the request needs more cells or sequences. True if rebuilt."""
         width = max(1, int(request.beam_width))

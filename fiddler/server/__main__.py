@@ -25,7 +25,13 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--gpu-budget-gb", type=float, default=None,
-                    help="GPU memory for the engine (default: 90%% of free CUDA memory; 0: no GPU)")
+                    help="GPU memory for the engine (default: 90%% of free CUDA memory; 0: no GPU; without CUDA a "
+                         "budget > 0 is emulated on the CPU device)")
+    ap.add_argument("--planner", choices=["makespan", "paper"], default="makespan")
+    ap.add_argument("--placement", default="popularity",
+                    help="popularity | random | none | all | fraction:X (fiddler.placement)")
+    ap.add_argument("--popularity", default=None, help="an expert-popularity JSON for placement=popularity")
+    ap.add_argument("--quant", choices=["q8_0", "q4_0"], default=None, help="experts and attention as llama.cpp blocks")
     ap.add_argument("--slots", type=int, default=8, help="requests decoded at once (KV-cache rows)")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
     ap.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (chunked prefill)")
@@ -50,14 +56,15 @@ def loader(args):
         from transformers import AutoTokenizer
 
         from ..batch import BatchEngine
+        from ..executors import FiddlerPolicy
         from ..gpu_side import GpuSide
 
-        gpu = None
-        if args.gpu_budget_gb is not None:
-            gpu = GpuSide.none() if args.gpu_budget_gb == 0 else GpuSide.cuda(int(args.gpu_budget_gb * (1 << 30)))
+        policy = FiddlerPolicy(placement=args.placement, popularity=args.popularity, planner=args.planner)
         be = BatchEngine.from_pretrained(args.model, slots=args.slots, token_budget=args.token_budget,
-                                         max_queue=args.max_queue, dtype=getattr(torch, args.dtype), gpu=gpu,
-                                         cpu_threads=args.cpu_threads, max_seq_len=args.max_seq_len)
+                                         max_queue=args.max_queue, dtype=getattr(torch, args.dtype),
+                                         gpu=GpuSide.for_budget_gb(args.gpu_budget_gb), executor=policy,
+                                         cpu_threads=args.cpu_threads, max_seq_len=args.max_seq_len,
+                                         quant=args.quant)
         return be, AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     return load
 

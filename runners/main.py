@@ -113,6 +113,12 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         return store.records
 
     conf, resolved = prepare(cfg)
+    if conf.workload.concurrency and conf.mode is not Mode.execute:
+        raise ConfigError(f"workload.concurrency={list(conf.workload.concurrency)} (a serving workload) is measured "
+                          f"against a running server; allowed: mode=execute")
+    if conf.workload.concurrency and not conf.workload.ignore_eos:
+        raise ConfigError("workload.ignore_eos=false is not measured: guidellm's synthetic requests always send "
+                          "ignore_eos, so that each returns its output length; allowed: true")
     simulating = conf.mode is Mode.simulate  # no weights, no child process, the host's cores irrelevant
     if simulating:
         preflight.check_trace(conf, points)
@@ -186,6 +192,11 @@ def _add_resumed(store: records.RunRecords, done: dict[str, dict[str, Any]], has
 
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
+    if conf.workload.concurrency:  # a serving workload: guidellm against the system's server
+        from runners.serving import measure_all
+
+        yield from measure_all(job, todo, conf, progress, current)
+        return
     if conf.mode is Mode.simulate:
         from runners.simulate import measure_all
 

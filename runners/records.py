@@ -86,7 +86,7 @@ def config_hash(config: dict[str, Any], point: dict[str, Any]) -> str:
     # the workload's lists only say which points exist; the point itself is hashed below, so a
     # sweep that gains a point keeps the hashes of the points it already had (resume)
     measured["workload"] = {k: v for k, v in config["workload"].items()
-                            if k not in ("input_lens", "output_lens", "beam_widths")}
+                            if k not in ("input_lens", "output_lens", "beam_widths", "concurrency")}
     blob = json.dumps({"config": measured, "point": point, "code": code_version()["version"]},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -102,8 +102,21 @@ class WorkloadConfig:
     # None: seeded synthetic token ids (the same for every system); else a text file whose
     # tokens (by the model's tokenizer) are cycled to each input length
     prompt_file: Optional[str] = None
+    # workload=serving (runners/serving.py): a non-empty list makes this a serving workload, measured by
+    # guidellm against the system's server at each number of concurrent streams
+    concurrency: List[int] = field(default_factory=list)
+    requests_per_stream: int = 4  # guidellm sends concurrency x this many requests per level
+    ignore_eos: bool = True  # every request generates exactly its output length (guidellm's synthetic data)
+    slo_ttft_s: float = 2.0  # goodput: requests that meet both SLOs, per second (vLLM's definition)
+    slo_tpot_s: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.concurrency:
+            _check_list(self.concurrency, "workload.concurrency", 1)
+        _check(lambda: self.requests_per_stream >= 1, "workload.requests_per_stream", self.requests_per_stream,
+               "an integer >= 1")
+        _check_number("workload.slo_ttft_s", self.slo_ttft_s, above=True)
+        _check_number("workload.slo_tpot_s", self.slo_tpot_s, above=True)
         _check_list(self.input_lens, "workload.input_lens", 1)
         _check_list(self.output_lens, "workload.output_lens", 1)
         _check_list(self.beam_widths, "workload.beam_widths", 1)

@@ -15,14 +15,21 @@ import pandas as pd
 from runners import provenance
 from runners.records import atomic_write_text
 
-KEYS = ["system", "variant", "model", "workload", "environment", "provenance", "mode", "input", "output", "beam"]
+KEYS = ["system", "variant", "model", "workload", "environment", "provenance", "mode", "input", "output", "beam",
+        "streams"]
+# serving records (workload=serving, runners/serving.py): these columns, vLLM's definitions, in the table when any
+# row has them
+SERVING = [("request_throughput", "req/s", 2), ("output_tok_s", "out tok/s", 1), ("goodput", "goodput req/s", 2),
+           *((f"ttft_p{q}_s", f"TTFT p{q} s", 3) for q in (50, 90, 99)),
+           *((f"tpot_p{q}_s", f"TPOT p{q} ms", 1) for q in (50, 90, 99)),
+           ("e2e_latency_p50_s", "e2e p50 s", 2), ("e2e_latency_p99_s", "e2e p99 s", 2)]
 METRICS = [("ttft_s", "TTFT s", 3), ("prefill_tok_s", "prefill tok/s", 1),
            ("decode_tok_s", "decode tok/s", 2), ("e2e_tok_s", "e2e tok/s", 2)]
 
 
 # config keys that never distinguish two rows of a table
 _NOT_VARIANT = ("run.", "cache_dir", "workload.input_lens", "workload.output_lens", "workload.beam_widths",
-                "system.adapter", "system.name", "model.path")
+                "workload.concurrency", "system.adapter", "system.name", "model.path", "serve.")
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -62,13 +69,16 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
                "provenance": provenance.of_record(r),
                "host_cpu": (r.get("host") or {}).get("cpu_name"),
                "input": p.get("input_len"),
-               "output": p.get("output_len"), "beam": p.get("beam_width"), "status": r.get("status"),
+               "output": p.get("output_len"), "beam": p.get("beam_width"), "streams": p.get("concurrency"),
+               "status": r.get("status"),
                "reason": r.get("reason"), "time": r.get("time"), "run_id": r.get("run_id")}
         m = r.get("metrics") or {}
         for key, _, _ in METRICS:
             row[key] = m.get(key)
             row[f"{key}_sd"] = m.get(f"{key}_sd")
             row[f"{key}_best"] = (m.get("best") or {}).get(key)
+        for key, _, _ in SERVING:
+            row[key] = m.get(key)
         row["decode_bound_fraction_best"] = ((r.get("decode_bound") or {}).get("fraction") or {}).get("best")
         row["reps"] = m.get("repetitions")
         row["valid"] = m.get("valid")
@@ -82,8 +92,8 @@ def build(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
     if df.empty:
         return df
     df = df.sort_values("time", kind="stable").drop_duplicates(KEYS, keep="last")
-    return df.sort_values(["model", "workload", "environment", "input", "output", "beam", "system"],
-                          kind="stable").reset_index(drop=True)
+    return df.sort_values(["model", "workload", "environment", "input", "output", "beam", "streams", "system"],
+                          kind="stable", na_position="first").reset_index(drop=True)
 
 
 def _fmt(mean, sd, digits: int) -> str:
@@ -93,10 +103,17 @@ def _fmt(mean, sd, digits: int) -> str:
 
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
-    keys = KEYS if df["variant"].astype(bool).any() else [k for k in KEYS if k != "variant"]
+    serving = df["streams"].notna().any()
+    keys = [k for k in KEYS if (k != "variant" or df["variant"].astype(bool).any()) and (k != "streams" or serving)]
     out = df[keys + ["status"]].copy()
+    if serving:
+        out["streams"] = [("" if v is None or pd.isna(v) else str(int(v))) for v in df["streams"]]
     for key, title, digits in METRICS:
         out[title] = [_fmt(m, s, digits) for m, s in zip(df[key], df[f"{key}_sd"])]
+    if serving:  # TPOT shown in ms
+        for key, title, digits in SERVING:
+            scale = 1000 if title.endswith(" ms") else 1
+            out[title] = [("" if v is None or pd.isna(v) else f"{v * scale:.{digits}f}") for v in df[key]]
     # acceptance targets on noisy machines are stated as best of the repetitions
     for key, title in (("decode_tok_s", "best decode tok/s"), ("prefill_tok_s", "best prefill tok/s")):
         out[title] = [("" if v is None or pd.isna(v) else f"{v:.2f}") for v in df[f"{key}_best"]]

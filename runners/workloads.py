@@ -19,16 +19,25 @@ class Point:
     input_len: int
     output_len: int
     beam_width: int
+    concurrency: int = 0  # concurrent streams of a serving workload; 0: not one
 
     def key(self) -> str:
-        return f"in{self.input_len}_out{self.output_len}_beam{self.beam_width}"
+        tail = f"_c{self.concurrency}" if self.concurrency else ""
+        return f"in{self.input_len}_out{self.output_len}_beam{self.beam_width}{tail}"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.concurrency:  # the points (and hashes) of the other workloads stay as they were
+            del d["concurrency"]
+        return d
 
 
 def expand(workload) -> list[Point]:
-    """Every combination of input length x output length x beam width, in list order."""
+    """Every combination of input length x output length x beam width (a serving workload: x concurrency,
+    beam 1), in list order."""
+    if getattr(workload, "concurrency", None):
+        return [Point(i, o, 1, c) for i, o, c in
+                itertools.product(workload.input_lens, workload.output_lens, workload.concurrency)]
     return [Point(i, o, b) for i, o, b in
             itertools.product(workload.input_lens, workload.output_lens, workload.beam_widths)]
 

@@ -45,8 +45,8 @@ EOF
   fi
 fi
 
-step "the project with its dev, offloading and server extras (compiles the CPU kernel)"
-pip install -e ".[dev,offloading,server]"
+step "the project with its dev, offloading, server and serving extras (compiles the CPU kernel)"
+pip install -e ".[dev,offloading,server,serving]"
 
 if [ -z "${CMAKE_ARGS:-}" ]; then
   CMAKE_ARGS="$(python -m baselines.llama_cpp.build_flags)"

@@ -1,0 +1,90 @@
+"""workload=serving (runners/serving.py): metrics by vLLM's definitions from guidellm's per-request timings
+(checked on a report of known timings), the table's serving columns, the keys refused before anything runs,
+and `python run.py workload=serving` end to end with guidellm against the engine's server on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runners import tables
+from runners.serving import guidellm_command, metrics_from_guidellm
+from runners.workloads import Point, expand
+from tests.test_cli import run_py
+
+
+def _request(start, ttft, e2e, out, prompt=32):
+    return {"request_start_time": start, "request_end_time": start + e2e, "time_to_first_token_ms": ttft * 1000,
+            "request_latency": e2e, "output_tokens": out, "prompt_tokens": prompt}
+
+
+def test_metrics_follow_vllms_definitions():
+    ok = [_request(0.0, 0.1, 1.1, 11), _request(0.5, 0.3, 2.3, 21), _request(1.0, 3.0, 4.0, 11)]
+    report = {"benchmarks": [{"requests": {"successful": ok, "errored": [{}], "incomplete": []}}]}
+    m = metrics_from_guidellm(report, slo_ttft_s=2.0, slo_tpot_s=0.15)
+    assert m["requests"] == 3 and m["failed_requests"] == 1
+    assert m["duration_s"] == pytest.approx(5.0)  # first start to last end
+    assert m["request_throughput"] == pytest.approx(3 / 5) and m["output_tok_s"] == pytest.approx(43 / 5)
+    # TPOT = (e2e - TTFT) / (out - 1): 0.1, 0.1, 0.1
+    assert m["tpot_s"] == pytest.approx(0.1) and m["tpot_p99_s"] == pytest.approx(0.1)
+    assert m["ttft_p50_s"] == pytest.approx(0.3) and m["ttft_s"] == pytest.approx(3.4 / 3)
+    assert m["goodput"] == pytest.approx(2 / 5)  # the third misses the TTFT SLO
+    assert m["e2e_tok_s"] == pytest.approx((43 / 3) / (7.4 / 3))
+    with pytest.raises(RuntimeError, match="completed no request"):
+        metrics_from_guidellm({"benchmarks": [{"requests": {"successful": [], "errored": [{}]}}]}, 1, 1)
+
+
+def test_serving_points_carry_their_concurrency_and_other_points_do_not():
+    class W:
+        input_lens, output_lens, beam_widths, concurrency = [128], [64], [1], [1, 8]
+
+    pts = expand(W)
+    assert [p.as_dict() for p in pts] == [{"input_len": 128, "output_len": 64, "beam_width": 1, "concurrency": c}
+                                          for c in (1, 8)]
+    assert Point(32, 4, 2).as_dict() == {"input_len": 32, "output_len": 4, "beam_width": 2}
+
+
+def test_the_table_shows_serving_columns_per_stream_count():
+    def rec(c, tok_s):
+        return {"system": "fiddler", "model": "m", "workload": "serving", "environment": "local", "mode": "execute",
+                "status": "ok", "time": f"t{c}", "point": {"input_len": 128, "output_len": 64, "beam_width": 1,
+                                                          "concurrency": c},
+                "metrics": {"ttft_s": 0.1, "prefill_tok_s": 1.0, "e2e_tok_s": 1.0, "output_tok_s": tok_s,
+                            "tpot_p50_s": 0.05, "request_throughput": 1.0}}
+    df = tables.build([rec(8, 40.0), rec(1, 10.0)])
+    shown = tables.display(df)
+    assert list(shown["streams"]) == ["1", "8"] and list(shown["out tok/s"]) == ["10.0", "40.0"]
+    assert list(shown["TPOT p50 ms"]) == ["50.0", "50.0"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("mode=simulate", "environment=rtx4090", "model=mixtral_8x7b"), "measured against a running server"),
+    (("workload.ignore_eos=false",), "workload.ignore_eos=false is not measured"),
+    (("workload.concurrency=[0]",), "workload.concurrency"),
+])
+def test_bad_serving_configs_are_refused(tmp_path, args, message):
+    res = run_py("system=fiddler", "workload=serving", *args, f"hydra.run.dir={tmp_path / 'D'}",
+                 f"run.index_path={tmp_path / 'i.jsonl'}", timeout=300)
+    assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.skipif(guidellm_command() is None, reason="guidellm (the serving extra) is not installed")
+def test_serving_run_end_to_end_with_guidellm(tmp_path):
+    pytest.importorskip("fastapi")
+    d = tmp_path / "D"
+    res = run_py("system=fiddler", "model=tiny_mixtral", "workload=serving", "workload.concurrency=[1,3]",
+                 "workload.requests_per_stream=2", "workload.input_lens=[24]", "workload.output_lens=[8]",
+                 f"hydra.run.dir={d}", f"run.index_path={tmp_path / 'i.jsonl'}", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
+    assert [r["point"]["concurrency"] for r in recs] == [1, 3] and all(r["status"] == "ok" for r in recs)
+    for r, n in zip(recs, (2, 6)):
+        m = r["metrics"]
+        assert m["requests"] == n and m["failed_requests"] == 0
+        assert m["prompt_tokens_mean"] == 24 and m["output_tokens_mean"] == 8
+        assert m["ttft_p50_s"] <= m["ttft_p99_s"] and m["output_tok_s"] > 0
+        assert "fiddler_generation_tokens_total" in r["serving"]["server_metrics"]
+        assert r["serving"]["load_generator"].startswith("guidellm ")
+    assert "| streams" in res.stdout or "streams |" in res.stdout
+    assert (d / "server.log").exists()

@@ -31,7 +31,7 @@ def cfg_of(*overrides: str):
 
 def test_groups_have_the_documented_options():
     assert ENVIRONMENTS == ["local", "paper_env1", "paper_env2", "rtx3060", "rtx4090"]
-    assert WORKLOADS == ["beam", "long_prefill", "single_batch"]
+    assert WORKLOADS == ["beam", "long_prefill", "serving", "single_batch"]
     assert {"hf_transformers", "fiddler"} <= set(SYSTEMS)
 
 
@@ -47,8 +47,8 @@ def test_every_combination_composes_and_validates(environment, workload, system)
         assert key in env["gpu"]
     assert env["cpu"]["isa"] in ("avx512_bf16", "avx512", "avx2")
     assert env["cpu"]["threads"] == env["cpu"]["cores"]  # default: all cores
-    assert len(expand(conf.workload)) == (len(conf.workload.input_lens) * len(conf.workload.output_lens)
-                                          * len(conf.workload.beam_widths))
+    w = conf.workload  # a serving workload's points are per concurrency level, beam 1
+    assert len(expand(w)) == len(w.input_lens) * len(w.output_lens) * len(w.concurrency or w.beam_widths)
 
 
 def test_paper_grids():

@@ -113,8 +113,9 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.concurrency:
             _check_list(self.concurrency, "workload.concurrency", 1)
-        _check(lambda: self.requests_per_stream >= 1, "workload.requests_per_stream", self.requests_per_stream,
-               "an integer >= 1")
+        # fewer: a level's statistics are those of its first wave, which starts all at once
+        _check(lambda: self.requests_per_stream >= 4, "workload.requests_per_stream", self.requests_per_stream,
+               "an integer >= 4")
         _check_number("workload.slo_ttft_s", self.slo_ttft_s, above=True)
         _check_number("workload.slo_tpot_s", self.slo_tpot_s, above=True)
         _check_list(self.input_lens, "workload.input_lens", 1)

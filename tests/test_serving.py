@@ -62,6 +62,7 @@ def test_the_table_shows_serving_columns_per_stream_count():
     (("mode=simulate", "environment=rtx4090", "model=mixtral_8x7b"), "measured against a running server"),
     (("workload.ignore_eos=false",), "workload.ignore_eos=false is not measured"),
     (("workload.concurrency=[0]",), "workload.concurrency"),
+    (("workload.requests_per_stream=2",), "workload.requests_per_stream=2 is invalid"),
 ])
 def test_bad_serving_configs_are_refused(tmp_path, args, message):
     res = run_py("system=fiddler", "workload=serving", *args, f"hydra.run.dir={tmp_path / 'D'}",
@@ -74,12 +75,12 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
     pytest.importorskip("fastapi")
     d = tmp_path / "D"
     res = run_py("system=fiddler", "model=tiny_mixtral", "workload=serving", "workload.concurrency=[1,3]",
-                 "workload.requests_per_stream=2", "workload.input_lens=[24]", "workload.output_lens=[8]",
+                 "workload.requests_per_stream=4", "workload.input_lens=[24]", "workload.output_lens=[8]",
                  f"hydra.run.dir={d}", f"run.index_path={tmp_path / 'i.jsonl'}", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
     assert [r["point"]["concurrency"] for r in recs] == [1, 3] and all(r["status"] == "ok" for r in recs)
-    for r, n in zip(recs, (2, 6)):
+    for r, n in zip(recs, (4, 12)):
         m = r["metrics"]
         assert m["requests"] == n and m["failed_requests"] == 0
         assert m["prompt_tokens_mean"] == 24 and m["output_tokens_mean"] == 8

@@ -126,9 +126,13 @@ class _Server:
         return self.proc.returncode
 
 
-def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: Path, timeout_s: float) -> dict:
+def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: Path, timeout_s: float,
+                 has_health: bool = True) -> dict:
+    # guidellm checks GET /health first; a server without one (llama_cpp.server) was already seen ready on its
+    # own route (_Server.wait_ready)
+    check = "" if has_health else ",validate_backend=false"
     cmd = guidellm_command() + [
-        "run", "--backend", f"kind=openai_http,target={target},request_format=/v1/completions",
+        "run", "--backend", f"kind=openai_http,target={target},request_format=/v1/completions{check}",
         "--profile", f"kind=concurrent,streams={point['concurrency']}",
         "--constraint", f"kind=max_requests,count={requests}",
         "--tokenizer", f"kind=huggingface_auto,model={model_path}",
@@ -188,7 +192,8 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
             try:
                 with tempfile.TemporaryDirectory() as tmp:
                     report = run_guidellm(target, job.model_path, p, n, Path(tmp) / "guidellm.json",
-                                          timeout_s=(conf.run.timeout_s or 3600))
+                                          timeout_s=(conf.run.timeout_s or 3600),
+                                          has_health=adapter.server_health_path == "/health")
                 rec["metrics"] = metrics_from_guidellm(report, w.slo_ttft_s, w.slo_tpot_s)
             except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
                 rec.update(status="error", reason=f"{type(e).__name__}: {e}"[:2000])

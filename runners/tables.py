@@ -122,7 +122,7 @@ def display(df: pd.DataFrame) -> pd.DataFrame:
                                   for v in df["decode_bound_fraction_best"]]
     out["reps"] = df["reps"]
     out["valid"] = df["valid"]
-    out["reason"] = [("" if r is None or pd.isna(r) else str(r)[:80]) for r in df["reason"]]
+    out["reason"] = [("" if r is None or pd.isna(r) else " ".join(str(r).split())[:80]) for r in df["reason"]]
     return out
 
 

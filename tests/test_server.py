@@ -273,3 +273,19 @@ def test_health_and_generation_refuse_while_loading_or_after_a_failed_load():
     st.draining = True
     with pytest.raises(APIError, match="draining"):
         st.check_serving()
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_serving():
+    with running_server("--slots", "1", "--max-queue", "0", "--max-seq-len", "512") as (_, port):
+        events = stream(port, "/v1/completions", {"prompt": [5, 9], "max_tokens": 400, "temperature": 0,
+                                                  "ignore_eos": True})
+        conn = next(events)
+        next(events)  # the one slot is busy, and nothing may wait
+        full = request(port, "POST", "/v1/completions", {"prompt": "more", "max_tokens": 2})
+        assert_error(full, 503)
+        assert full[1].get("retry-after") or full[1].get("Retry-After")
+        rest = list(events)
+        conn.close()
+        assert rest[-1] == "[DONE]"
+        st, _, body = request(port, "POST", "/v1/completions", {"prompt": "now", "max_tokens": 2})
+        assert st == 200 and body["usage"]["completion_tokens"] == 2

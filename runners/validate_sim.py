@@ -33,12 +33,12 @@ CONF = PROJECT_ROOT / "conf"
 ADA = PROJECT_ROOT / "results" / "reference" / "baseline-runs" / "ada6000"
 PAPER_CSV = PROJECT_ROOT / "results" / "reference" / "paper" / "paper-reported.csv"
 BOUNDS = {"host_decode": 0.20, "host_ttft": 0.30, "ada_decode": 0.30, "ada_ttft": 0.30}
-# the paper's four systems as the paper ran them: Fiddler with its planning rule, Mixtral-Offloading's
-# released code (on-demand swaps, no prefetch)
-FIG4_SYSTEMS = {"fiddler": "fiddler_paper", "llama_cpp": "llama_cpp", "mixtral_offloading": "mixtral_offloading_original",
-                "deepspeed_mii": "deepspeed_mii"}
+# the paper's four systems as the paper ran them: Fiddler's released code (baselines/fiddler_engine/original_sim.py),
+# the 2024 llama.cpp, Mixtral-Offloading's released code (on-demand swaps, no prefetch), ZeRO-Inference
+FIG4_SYSTEMS = {"fiddler": "fiddler_original", "llama_cpp": "llama_cpp_original",
+                "mixtral_offloading": "mixtral_offloading_original", "deepspeed_mii": "deepspeed_mii"}
 # also reported beside the paper's values (not part of the orderings): this project's variants
-FIG4_EXTRA = {"fiddler": "fiddler", "mixtral_offloading": "mixtral_offloading"}
+FIG4_EXTRA = {"fiddler": "fiddler_paper", "mixtral_offloading": "mixtral_offloading"}
 # the measured Ada 6000 systems and the simulated configurations compared with them; the configurations that
 # model the code that was measured decide the check, this project's re-implementation is shown beside them
 ADA_SYSTEMS = (("deepspeed_mii", "deepspeed_mii"), ("mixtral_offloading", "mixtral_offloading_original"),
@@ -303,7 +303,22 @@ def report(host: tuple | None, ada: tuple, fig4: tuple, host_records: tuple | No
             f"Every pairwise ordering as in the paper: **{'yes' if ok else 'no'}**. Paper values are read from "
             "its figure (second-hand, results/reference/paper/paper-reported.csv).", "", _table(values), "",
             _table(orders)]
+    out += ["", "## 4. Citations of the systems as the paper ran them (`*_original`)", "",
+            "Every modelling parameter of `fiddler_original` and `llama_cpp_original` with its source "
+            "(baselines/citations.py: code lines at a commit, the paper, a measurement of this project, or a "
+            "stated assumption); tests/test_original_citations.py fails on any without one.", "",
+            _table(original_citations())]
     return "\n".join(out)
+
+
+def original_citations() -> list[dict]:
+    from baselines.citations import table
+    from baselines.fiddler_engine.original_sim import PARAMS as FIDDLER_PARAMS
+    from baselines.llama_cpp.original_sim import PARAMS as LLAMA_PARAMS
+
+    rows = [{"system": "fiddler_original", **r} for r in table(FIDDLER_PARAMS)]
+    rows += [{"system": "llama_cpp_original", **r} for r in table(LLAMA_PARAMS)]
+    return rows
 
 
 def failures(host, ada, fig4, host_records) -> list[str]:

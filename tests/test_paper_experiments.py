@@ -50,7 +50,7 @@ def test_every_configuration_of_the_three_experiments_composes_in_simulate_mode(
         params = _compose(f"+experiment={exp}", hydra=True).hydra.sweeper.params
         envs, systems = params.environment.split(","), params.system.split(",")
         assert envs == ["rtx3060", "rtx4090", "paper_env1", "paper_env2"]
-        assert systems == ["fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe",
+        assert systems == ["fiddler_original", "llama_cpp_original", "fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe",
                            "mixtral_offloading_original", "mixtral_offloading", "deepspeed_mii"]
         for env, system in itertools.product(envs, systems):
             cfg = _compose(f"+experiment={exp}", f"environment={env}", f"system={system}")
@@ -64,7 +64,7 @@ def test_every_configuration_of_the_three_experiments_composes_in_simulate_mode(
                 assert conf.system.name == "llama_cpp" and conf.system.n_cpu_moe == -1
             if system == "mixtral_offloading_original":
                 assert conf.system.name == "mixtral_offloading" and conf.system.original_swap
-    assert jobs == 84  # 7 rows x 4 machines x 3 experiments ("about 70 configurations")
+    assert jobs == 108  # 7 rows x 4 machines x 3 experiments ("about 70 configurations")
 
 
 def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):

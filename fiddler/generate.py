@@ -49,6 +49,16 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top
     return logits
 
 
+def choose_token(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row of fp32 logits [B, V]: argmax, or a draw from the warped distribution
+    with `generator` (transformers' order: temperature, top-k, top-p, then torch.multinomial)."""
+    if not do_sample:
+        return torch.argmax(logits, dim=-1)
+    probs = torch.softmax(warp_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 def check_lengths(prompt_len: int, max_new_tokens: int, max_positions: int, cache_len: int):
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -106,10 +116,7 @@ def _sample_loop(model, prompt, n, do_sample, temperature, top_k, top_p, generat
     lat = []
 
     def choose(logits):
-        if not do_sample:
-            return torch.argmax(logits, dim=-1)
-        probs = torch.softmax(warp_logits(logits, temperature, top_k, top_p), dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return choose_token(logits, do_sample, temperature, top_k, top_p, generator)
 
     t0 = time.perf_counter()
     logits = model.forward(prompt[None], 0)

@@ -39,6 +39,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_description() -> str:
+    """cpu_name() with its family and model numbers (VMs often report a bare "Intel(R) Xeon(R) Processor")."""
+    try:
+        info = open("/proc/cpuinfo").read().splitlines()
+        get = lambda key: next(l.split(":", 1)[1].strip() for l in info if l.startswith(key))  # noqa: E731
+        return f"{get('model name')} (family {get('cpu family')} model {get('model')})"
+    except (OSError, StopIteration):
+        return cpu_name()
+
+
 def cpu_isa(flags: frozenset[str] | None = None) -> str:
     """Best ISA level of ISA_LEVELS this CPU supports ('avx2' is reported as the floor)."""
     flags = cpu_flags() if flags is None else flags

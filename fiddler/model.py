@@ -289,14 +289,16 @@ class KVCache:
         k, v, j = self._where[i]
         return k[j], v[j]
 
-    def append(self, i: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes layer i's new entries k, v [B, heads, T, dim] at positions pos.. of rows 0..B-1 and
-        returns that layer's filled prefix [B, heads, pos + T, dim] of both."""
+    def append(self, i: int, pos: int, k: torch.Tensor, v: torch.Tensor, row: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes layer i's new entries k, v [B, heads, T, dim] at positions pos.. of rows row..row+B-1 and
+        returns that layer's filled prefix [B, heads, pos + T, dim] of both. A row is a sequence: a beam, or
+        a batch slot (fiddler.batch)."""
         kc, vc = self.layer(i)
         B, T = k.shape[0], k.shape[2]
-        kc[:B, :, pos : pos + T] = k
-        vc[:B, :, pos : pos + T] = v
-        return kc[:B, :, : pos + T], vc[:B, :, : pos + T]
+        kc[row : row + B, :, pos : pos + T] = k
+        vc[row : row + B, :, pos : pos + T] = v
+        return kc[row : row + B, :, : pos + T], vc[row : row + B, :, : pos + T]
 
     def reorder(self, beam_idx: torch.Tensor, length: int):
         """Beam search: row b of the cache becomes old row beam_idx[b]. Only the rows that change are copied
@@ -493,23 +495,35 @@ class MoETransformer:
 
     def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
         """GQA attention of layer i (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE)."""
+        o = self._gqa_core(i, self._gqa_qkv(i, h, qkv_proj), B, T, pos)
+        main = h.device == self.device
+        return o_proj(o, out=self._buf("o", (B * T, self.cfg.hidden_size), self.dtype) if main else None)
+
+    def _gqa_qkv(self, i: int, h: torch.Tensor, qkv_proj) -> torch.Tensor:
+        """The fused q/k/v projection of rows h [N, H] (+ q/k norms, clip): [N, (nh + 2 nkv) d]."""
         cfg, layer = self.cfg, self.layers[i]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         main = h.device == self.device
-        qkv = qkv_proj(h, out=self._buf("qkv", (B * T, (nh + 2 * nkv) * d), self.dtype) if main else None)
+        qkv = qkv_proj(h, out=self._buf("qkv", (h.shape[0], (nh + 2 * nkv) * d), self.dtype) if main else None)
         if cfg.qk_norm or cfg.clip_qkv is not None:
-            qkv = self._qk_norm_clip(layer, qkv, B, T)
+            qkv = self._qk_norm_clip(layer, qkv, 1, h.shape[0])
+        return qkv
+
+    def _gqa_core(self, i: int, qkv: torch.Tensor, B: int, T: int, pos: int, row: int = 0) -> torch.Tensor:
+        """Rope, KV-cache append (cache rows row..row+B-1) and attention of the projected qkv [B*T, width]
+        at positions pos..pos+T-1: [B*T, nh * d], the input of o_proj."""
+        cfg = self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = qkv.view(B, T, nh + 2 * nkv, d)
         q = qkv[:, :, :nh].transpose(1, 2)
         k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
         v = qkv[:, :, nh + nkv :].transpose(1, 2)
-        cos, sin = self._rope(h.device)
+        cos, sin = self._rope(qkv.device)
         q, k = apply_rope(cfg, q, k, cos[pos : pos + T], sin[pos : pos + T])
-        keys, values = self.cache.append(i, pos, k, v)
-        o = self._sdpa(q, keys, values, B, T, pos, nkv)
-        return o_proj(o, out=self._buf("o", (B * T, cfg.hidden_size), self.dtype) if main else None)
+        keys, values = self.cache.append(i, pos, k, v, row)
+        return self._sdpa(q, keys, values, B, T, pos, nkv)
 
-    def _mla_attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int):
+    def _mla_attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, row: int = 0):
         """DeepSeek's multi-head latent attention of layer i, op for op as transformers' DeepseekV2/V3
         Attention: queries through the optional low-rank q_a/q_b pair, keys and values from the cached
         compressed latent (RMSNorm'd) expanded by kv_b_proj every step, plus the one shared rope key."""
@@ -529,7 +543,7 @@ class MoETransformer:
             q_pe, k_pe = apply_rope(cfg, q_pe, k_pe, cos[pos : pos + T], None)
         else:
             q_pe, k_pe = apply_rope(cfg, q_pe, k_pe, cos[pos : pos + T], sin[pos : pos + T])
-        lc, pc = self.cache.append(i, pos, latent, k_pe)  # the latents and rope keys so far
+        lc, pc = self.cache.append(i, pos, latent, k_pe, row)  # the latents and rope keys so far
         L = pos + T
         kv = m["kv_b_proj"](lc[:, 0].reshape(B * L, r)).view(B, L, nh, dn + dv).transpose(1, 2)
         k_nope, values = torch.split(kv, [dn, dv], dim=-1)
@@ -545,6 +559,64 @@ class MoETransformer:
         if layer.mla is not None:
             return self._mla_attention(i, h, B, T, pos)
         return self._attention(i, h, B, T, pos, layer.qkv_proj, layer.o_proj)
+
+    def _attend_segments(self, i: int, h: torch.Tensor, segments) -> torch.Tensor:
+        """Attention of layer i for the flat rows h [N, H] of several sequences (Segment: slot, start, length,
+        in row order): the projections run once on all rows, rope / cache / attention per sequence with its
+        own cache row and positions."""
+        layer = self.layers[i]
+        outs, r = [], 0
+        if layer.mla is not None:
+            for seg in segments:
+                outs.append(self._mla_attention(i, h[r : r + seg.length], 1, seg.length, seg.start, seg.slot))
+                r += seg.length
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+        qkv = self._gqa_qkv(i, h, layer.qkv_proj)
+        for seg in segments:
+            outs.append(self._gqa_core(i, qkv[r : r + seg.length], 1, seg.length, seg.start, seg.slot))
+            r += seg.length
+        o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        main = h.device == self.device
+        return layer.o_proj(o, out=self._buf("o", (h.shape[0], self.cfg.hidden_size), self.dtype) if main else None)
+
+    @torch.inference_mode()
+    def forward_segments(self, tokens: torch.Tensor, segments, want_logits=None) -> torch.Tensor:
+        """Several sequences in one forward (continuous batching, fiddler.batch): `tokens` [N] holds the
+        segments' tokens back to back; segment s (a Segment: slot, start, length) appends its `length`
+        tokens at positions start.. of KV-cache row `slot`. The router and the experts see all N tokens at
+        once (the executor plans the whole step). Returns fp32 logits [n, V] of the last token of each
+        segment with want_logits[s] (default: every segment), in order."""
+        N = tokens.shape[0]
+        if sum(s.length for s in segments) != N:
+            raise ValueError(f"segments cover {sum(s.length for s in segments)} tokens, got {N}")
+        for s in segments:
+            if not 0 <= s.slot < self.max_batch:
+                raise ValueError(f"slot {s.slot} outside the KV cache's rows [0, {self.max_batch})")
+            if s.length < 1 or s.start < 0 or s.start + s.length > self.max_seq_len:
+                raise ValueError(f"segment at {s.start} of {s.length} tokens outside the KV cache (max_seq_len="
+                                 f"{self.max_seq_len})")
+        if len({s.slot for s in segments}) != len(segments):
+            raise ValueError("two segments on the same cache row")
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        norm = rms_norm_f32 if self.fp32_quant_acts else rms_norm
+        with torch_threads(self.torch_linear_threads if self._torch_serves_linears(N) else None):
+            if N == len(segments) and self.decode_fastpath and self._decode_ops is not None and \
+                    tokens.device.type == "cpu":  # one token per sequence: the fused decode step, row by row
+                pos = torch.tensor([s.start for s in segments], dtype=torch.int64)
+                rows = torch.tensor([s.slot for s in segments], dtype=torch.int64)
+                logits = self._decode_step(tokens.view(N, 1), pos, False, rows)
+                return logits if want_logits is None else logits[torch.as_tensor(want_logits, dtype=torch.bool)]
+            x = F.embedding(tokens.to(self.embed.device), self.embed)  # [N, H]
+            for i, layer in enumerate(self.layers):
+                if x.device != layer.device:
+                    x = x.to(layer.device)
+                x = x + self._attend_segments(i, norm(x, layer.input_norm, eps), segments)
+                x = self._moe(i, x, norm(x, layer.post_norm, eps), layer.router, False)
+            ends = torch.tensor([0] + [s.length for s in segments]).cumsum(0)[1:] - 1
+            if want_logits is not None:
+                ends = ends[torch.as_tensor(want_logits, dtype=torch.bool)]
+            x = x.to(self.norm.device)[ends.to(self.norm.device)]
+            return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32)
 
     # ------------------------------------------------------------------ MLP / MoE
 
@@ -588,8 +660,10 @@ class MoETransformer:
         self.executor.after_moe(j, x)
         return x
 
-    def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
-        """forward() for T == 1 with the fused kernels (see the class docstring); same results contract."""
+    def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool, rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """forward() for T == 1 with the fused kernels (see the class docstring); same results contract.
+        With `rows` (continuous batching): row b's token sits at position pos[b] of cache row rows[b]."""
         cfg, eps, dt = self.cfg, self.cfg.rms_norm_eps, self.dtype
         B, H = tokens.shape[0], cfg.hidden_size
         norm, attend = self._decode_norm, self._decode_ops
@@ -607,9 +681,10 @@ class MoETransformer:
             qkv = layer.qkv_proj(h, out=buf_qkv)
             if qk_ops:
                 qkv = self._qk_norm_clip(layer, qkv, B, 1)
-            x = x + layer.o_proj(attend(i, qkv, pos, buf_att), out=buf_o)
+            a = attend(i, qkv, pos, buf_att) if rows is None else attend.rows(i, qkv, pos, rows, buf_att)
+            x = x + layer.o_proj(a, out=buf_o)
             h = rms_norm_f32(x, layer.post_norm, eps) if f32 else norm(x, layer.post_norm, eps, out=buf_n2)
-            x = self._moe(i, x, h, layer.router, B > 1)
+            x = self._moe(i, x, h, layer.router, B > 1 and rows is None)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
         if all_logits:
             return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)

@@ -32,6 +32,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from fiddler.hardware import cpu_description  # noqa: E402
+
 PARTS = ("experts (kernel)", "experts (around)", "router", "attention", "rope", "kv copy", "projections",
          "norms", "lm_head", "mask")
 
@@ -220,7 +222,7 @@ def main() -> int:
         runners["hf"] = hf_runner(path, threads, sec)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    results = {"model": str(path), "threads": threads, "cpu": cpu_name(),
+    results = {"model": str(path), "threads": threads, "cpu": cpu_description(),
                "info": {k: v[1] for k, v in runners.items()}, "lens": {}}
     for n in args.lens:
         ids = torch.randint(0, vocab, (n,), generator=g)
@@ -244,15 +246,6 @@ def main() -> int:
     if args.markdown:
         pathlib.Path(args.markdown).write_text(md)
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-        get = lambda key: next(l.split(":", 1)[1].strip() for l in info if l.startswith(key))  # noqa: E731
-        return f"{get('model name')} (family {get('cpu family')} model {get('model')})"
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import pathlib
 
 import torch
 
+from fiddler.executors import FiddlerPolicy, GpuSide, local_executor
+from fiddler.latency import LatencyModel
 from runners.synthetic import default_cache_root, ensure_synthetic_model
 
 # name -> Mixtral arch overrides. Keep them small: the whole suite must stay in ~2 minutes on 2 cores.
@@ -114,3 +116,23 @@ def hf_model(name: str, dtype: torch.dtype, **kw):
 def prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g)
+
+
+# Engine variants: Engine.from_pretrained keyword arguments. One line per executor configuration; the
+# numerics suites (test_model_numerics, test_batch) run every one.
+VARIANTS = {
+    "reference": dict(gpu=GpuSide.none(), executor=local_executor),
+    "fiddler-cpu": dict(gpu=GpuSide.none()),  # Fiddler's executor, no GPU
+}
+# A budget makes the CPU device stand in for the GPU: placement, plans and weight copies run for real.
+# This hand-made latency model copies experts in for multi-token batches and runs single tokens on the
+# CPU, so decisions a, b and c all occur (per-kind checks: tests/test_executor.py).
+MIX_LATENCY = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
+# Every planner x 0%, 50% and 100% of experts resident on the emulated GPU.
+for _placement, _name in (("none", "none"), ("fraction:0.5", "half"), ("all", "all")):
+    for _planner in ("paper", "makespan"):
+        VARIANTS[f"fiddler-emul-{_name}-{_planner}"] = dict(
+            gpu=GpuSide.emulated(1 << 40),
+            executor=FiddlerPolicy(placement=_placement, planner=_planner, latency_model=MIX_LATENCY))
+# Decision kinds each emulated placement must produce with MIX_LATENCY (a: resident, b: copied in, c: CPU).
+EXPECTED_KINDS = {"none": "bc", "half": "abc", "all": "a"}

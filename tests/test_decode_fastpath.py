@@ -143,6 +143,38 @@ def test_decode_attention_bound_to_a_cache():
         op(1, qkv, pos + 3, out)
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_decode_rows_are_one_row_calls_bit_for_bit(window):
+    """Continuous batching's decode step: rows at their own positions and cache rows, in any order, give the
+    bits of one-row calls (a sequence's attention does not depend on its batch), and write only their rows."""
+    layers, nh, nkv, d, slots, S = 2, 8, 2, 64, 6, 300
+    g = torch.Generator().manual_seed(3)
+    cfg = MoEConfig(hidden_size=nh * d, intermediate_size=8, num_layers=1, num_experts=2, top_k=1, num_heads=nh,
+                    num_kv_heads=nkv, head_dim=d, vocab_size=8)
+    cos, sin = rope_tables(cfg, S, BF16, "cpu")
+    k = torch.randn(layers, slots, nkv, S, d, generator=g).to(BF16)
+    v = torch.randn(layers, slots, nkv, S, d, generator=g).to(BF16)
+    rows, pos = torch.tensor([4, 0, 2, 5]), torch.tensor([7, 250, 0, 31])
+    qkv = (torch.randn(4, (nh + 2 * nkv) * d, generator=g) * 3).to(BF16)
+    kb, vb = k.clone(), v.clone()
+    batched = kd.DecodeAttention(kb, vb, cos, sin, num_heads=nh, sliding_window=window)
+    out = batched.rows(1, qkv, pos, rows, torch.empty(4, nh * d, dtype=BF16))
+    for b in range(4):  # each row alone: a one-row cache holding that slot's row
+        k1, v1 = k[:, rows[b] : rows[b] + 1].clone(), v[:, rows[b] : rows[b] + 1].clone()
+        one = kd.DecodeAttention(k1, v1, cos, sin, num_heads=nh, sliding_window=window)
+        ref = one(1, qkv[b : b + 1].clone(), int(pos[b]), torch.empty(1, nh * d, dtype=BF16))
+        assert torch.equal(bits(out[b : b + 1]), bits(ref)), b
+        assert torch.equal(bits(kb[:, rows[b]]), bits(k1[:, 0])) and torch.equal(bits(vb[:, rows[b]]), bits(v1[:, 0]))
+    untouched = [r for r in range(slots) if r not in rows.tolist()]
+    assert torch.equal(bits(kb[:, untouched]), bits(k[:, untouched])) and torch.equal(bits(kb[0]), bits(k[0]))
+    with pytest.raises(ValueError, match="distinct"):
+        batched.rows(1, qkv, pos, torch.tensor([4, 0, 4, 5]), out)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        batched.rows(1, qkv, torch.tensor([7, 250, 0, S]), rows, out)
+    with pytest.raises(ValueError, match="int64"):
+        batched.rows(1, qkv, pos.int(), rows, out)
+
+
 def test_input_checks():
     qkv, cos, sin, kc, vc = make_case(8, 4, 2, 1, 3)
     x, w = torch.randn(2, 8).to(BF16), torch.randn(8).to(BF16)

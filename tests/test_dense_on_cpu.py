@@ -12,15 +12,14 @@ import torch
 from fiddler import Engine
 from fiddler.config import MoEConfig
 from fiddler.executors import FiddlerPolicy, GpuSide
-from fiddler.latency import LatencyModel
 from fiddler.placement import layer_dense_bytes, reservation
-from tests.models import ARCHS, hf_model, model_path, prompt
+from tests.models import ARCHS, MIX_LATENCY, hf_model, model_path, prompt
 
 pytest.importorskip("transformers")
 
 ARCH = "deepseek_v2"  # 3 layers: a dense first layer, then MoE layers with 2 shared-expert slots
 SEQ, BATCH = 64, 4
-_MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
+_MIX = MIX_LATENCY
 
 
 def _budget() -> tuple[int, MoEConfig]:

@@ -17,31 +17,12 @@ import torch
 
 from fiddler import Engine
 from fiddler.executors import FiddlerPolicy, GpuSide, local_executor
-from fiddler.latency import LatencyModel
-from tests.models import ARCHS, FAMILY_ARCHS, hf_model, model_path, prompt
+from tests.models import ARCHS, EXPECTED_KINDS, FAMILY_ARCHS, VARIANTS, hf_model, model_path, prompt
 
 transformers = pytest.importorskip("transformers")
 
 
-# Engine variants: Engine.from_pretrained keyword arguments. One line per executor configuration.
-VARIANTS = {
-    "reference": dict(gpu=GpuSide.none(), executor=local_executor),
-    "fiddler-cpu": dict(gpu=GpuSide.none()),  # Fiddler's executor, no GPU
-}
-# A budget makes the CPU device stand in for the GPU: placement, plans and weight copies run for real.
-# This hand-made latency model copies experts in for multi-token batches and runs single tokens on the
-# CPU, so decisions a, b and c all occur (per-kind checks: tests/test_executor.py).
-_MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)
-# Every planner x 0%, 50% and 100% of experts resident on the emulated GPU.
-for _placement, _name in (("none", "none"), ("fraction:0.5", "half"), ("all", "all")):
-    for _planner in ("paper", "makespan"):
-        VARIANTS[f"fiddler-emul-{_name}-{_planner}"] = dict(
-            gpu=GpuSide.emulated(1 << 40),
-            executor=FiddlerPolicy(placement=_placement, planner=_planner, latency_model=_MIX))
-
 variant_params = pytest.mark.parametrize("variant", list(VARIANTS))
-# Decision kinds each emulated placement must produce with _MIX (a: resident, b: copied in, c: CPU).
-EXPECTED_KINDS = {"none": "bc", "half": "abc", "all": "a"}
 
 
 def assert_decision_kinds(variant: str, out) -> None:

@@ -39,6 +39,9 @@ def _declare() -> bool:
         "fk_rope_attn_decode_bf16": (
             c.c_int, [vp, i64, i64, i64, i64, i64, vp, vp, vp, vp, i64, i64, i64, c.c_float, vp],
         ),
+        "fk_rope_attn_decode_rows_bf16": (
+            c.c_int, [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, i64, i64, i64, c.c_float, vp],
+        ),
     }
     try:
         for name, (res, args) in sigs.items():
@@ -54,6 +57,7 @@ _ok = _declare()
 if _ok:
     _rmsnorm = _lib.lib.fk_rmsnorm_bf16
     _rope_attn = _lib.lib.fk_rope_attn_decode_bf16
+    _rope_attn_rows = _lib.lib.fk_rope_attn_decode_rows_bf16
 
 
 def is_available() -> bool:
@@ -158,6 +162,35 @@ class DecodeAttention:
 
     def __call__(self, layer: int, qkv: torch.Tensor, pos: int, out: torch.Tensor) -> torch.Tensor:
         """qkv [B, (nh + 2 nkv) d] bf16 contiguous (B <= max_batch) -> out [B, nh d] bf16 contiguous."""
+        self._check_io(qkv, out)
+        if not 0 <= pos < self.max_seq:
+            raise ValueError(f"pos {pos} outside the KV cache [0, {self.max_seq})")
+        _check(_rope_attn(qkv.data_ptr(), qkv.shape[0], self.nh, self.nkv, self.d, pos, self._cos, self._sin,
+                          self._k[layer], self._v[layer], self.max_batch, self.max_seq, self.window, self.scale,
+                          out.data_ptr()))
+        return out
+
+    def rows(self, layer: int, qkv: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, out: torch.Tensor
+             ) -> torch.Tensor:
+        """Like calling it once per row b at position pos[b] on cache row rows[b] (distinct; int64 CPU
+        tensors [B]), in one call: continuous batching's decode step. Row b's output is bit-identical to
+        that one-row call's."""
+        self._check_io(qkv, out)
+        B = qkv.shape[0]
+        for name, t in (("pos", pos), ("rows", rows)):
+            if t.dtype != torch.int64 or tuple(t.shape) != (B,) or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU int64 [{B}], got {t.dtype} {tuple(t.shape)}")
+        if B and (int(pos.min()) < 0 or int(pos.max()) >= self.max_seq):
+            raise ValueError(f"positions {pos.tolist()} outside the KV cache [0, {self.max_seq})")
+        r = rows.tolist()
+        if B and (min(r) < 0 or max(r) >= self.max_batch or len(set(r)) != B):
+            raise ValueError(f"cache rows {rows.tolist()} must be distinct and in [0, {self.max_batch})")
+        _check(_rope_attn_rows(qkv.data_ptr(), B, self.nh, self.nkv, self.d, pos.data_ptr(), rows.data_ptr(),
+                               self._cos, self._sin, self._k[layer], self._v[layer], self.max_batch, self.max_seq,
+                               self.window, self.scale, out.data_ptr()))
+        return out
+
+    def _check_io(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
         B = qkv.shape[0]
         if (qkv.dtype != _BF16 or out.dtype != _BF16 or qkv.dim() != 2 or qkv.shape[1] != self.width
                 or tuple(out.shape) != (B, self.nh * self.d) or not (qkv.is_contiguous() and out.is_contiguous())
@@ -165,12 +198,6 @@ class DecodeAttention:
             raise ValueError(
                 f"qkv must be a contiguous CPU bf16 [B, {self.width}] and out [B, {self.nh * self.d}]; got qkv "
                 f"{qkv.dtype} {tuple(qkv.shape)}, out {out.dtype} {tuple(out.shape)}")
-        if not 0 <= pos < self.max_seq:
-            raise ValueError(f"pos {pos} outside the KV cache [0, {self.max_seq})")
-        _check(_rope_attn(qkv.data_ptr(), B, self.nh, self.nkv, self.d, pos, self._cos, self._sin,
-                          self._k[layer], self._v[layer], self.max_batch, self.max_seq, self.window, self.scale,
-                          out.data_ptr()))
-        return out
 
 
 def rope_attention_decode(qkv: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,

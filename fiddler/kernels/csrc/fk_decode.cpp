@@ -153,6 +153,75 @@ FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, i
   return 0;
 }
 
+namespace {
+
+// Rope + cache write + attention for B rows, row b's new token at position pos[b] of cache row rows[b]
+// (the two entry points below). Every (row, head) is computed alone, by the same code whatever B is,
+// the rows' order or the thread split: a sequence's results do not depend on its batch.
+int rope_attn_rows(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos,
+                   const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache,
+                   uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale,
+                   uint16_t* out) {
+  if (!qkv || !cos || !sin || !kcache || !vcache || !out || !pos || !rows) return fail("rope_attn_decode: null pointer");
+  if (B < 1 || B > max_batch) return fail("rope_attn_decode: need 1 <= B <= max_batch");
+  if (nh < 1 || nkv < 1 || nh % nkv) return fail("rope_attn_decode: num_heads must be a positive multiple of num_kv_heads");
+  if (d < 2 || d % 2) return fail("rope_attn_decode: head_dim must be even and >= 2");
+  for (int64_t b = 0; b < B; ++b) {
+    if (pos[b] < 0 || pos[b] >= max_seq) return fail("rope_attn_decode: pos must be in [0, max_seq)");
+    if (rows[b] < 0 || rows[b] >= max_batch) return fail("rope_attn_decode: cache row must be in [0, max_batch)");
+  }
+  const int64_t width = (nh + 2 * nkv) * d, row_elems = nkv * max_seq * d;
+  const int isa = fk_isa();
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const uint16_t *cr = cos + pos[b] * d, *sr = sin + pos[b] * d, *q = qkv + b * width;
+    uint16_t *kc = kcache + rows[b] * row_elems, *vc = vcache + rows[b] * row_elems;
+    switch (isa) {
+#if defined(__x86_64__)
+      case 2: avx512::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
+      case 1: avx2::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
+#endif
+      default: generic::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq);
+    }
+    const int64_t j0 = window > 0 && pos[b] + 1 > window ? pos[b] + 1 - window : 0;
+    work += nh * (pos[b] + 1 - j0) * d;
+  }
+  // Query heads over the kernel's thread pool: a single thread would leave the other cores idle
+  // between two weight streams (about 70 us a layer at 150 positions); tiny work stays on one.
+  struct Ctx {
+    const uint16_t *qkv, *cos, *sin, *kc, *vc;
+    const int64_t *pos, *rows;
+    int64_t nh, nkv, d, width, row_elems, max_seq, window;
+    float scale;
+    uint16_t* out;
+    int isa;
+  } ctx{qkv, cos, sin, kcache, vcache, pos, rows, nh, nkv, d, width, row_elems, max_seq, window, scale, out, isa};
+  auto run = [](const void* p, int64_t h0, int64_t h1) {
+    const Ctx& c = *static_cast<const Ctx*>(p);
+    thread_local std::vector<float> sc;
+    const size_t need = size_t(c.max_seq + 3 * c.d);
+    if (sc.size() < need) sc.resize(need);
+    for (int64_t b = h0 / c.nh; b * c.nh < h1; ++b) {  // the heads of row b within [h0, h1)
+      const int64_t a = std::max(h0, b * c.nh) - b * c.nh, e = std::min(h1, (b + 1) * c.nh) - b * c.nh;
+      const int64_t ps = c.pos[b], j0 = c.window > 0 && ps + 1 > c.window ? ps + 1 - c.window : 0;
+      const uint16_t *q = c.qkv + b * c.width, *cr = c.cos + ps * c.d, *sr = c.sin + ps * c.d;
+      const uint16_t *kc = c.kc + c.rows[b] * c.row_elems, *vc = c.vc + c.rows[b] * c.row_elems;
+      uint16_t* o = c.out + b * c.nh * c.d;
+      switch (c.isa) {
+#if defined(__x86_64__)
+        case 2: avx512::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
+        case 1: avx2::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
+#endif
+        default: generic::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data());
+      }
+    }
+  };
+  fk::parallel_for(work >= (int64_t(1) << 15) ? 0 : 1, B * nh, run, &ctx);
+  return 0;
+}
+
+}  // namespace
+
 // One decode step of attention for B sequences (one new token each, at position `pos`):
 //   qkv   [B, (nh + 2*nkv) * d] bf16: the fused projection output, per row q heads, k heads, v heads
 //   cos, sin [>= pos+1, d] bf16 rope tables (row `pos` is used)
@@ -168,53 +237,20 @@ FK_API int fk_rope_attn_decode_bf16(const uint16_t* qkv, int64_t B, int64_t nh, 
                                     int64_t pos, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache,
                                     uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window,
                                     float scale, uint16_t* out) {
-  if (!qkv || !cos || !sin || !kcache || !vcache || !out) return fail("rope_attn_decode: null pointer");
   if (B < 1 || B > max_batch) return fail("rope_attn_decode: need 1 <= B <= max_batch");
-  if (nh < 1 || nkv < 1 || nh % nkv) return fail("rope_attn_decode: num_heads must be a positive multiple of num_kv_heads");
-  if (d < 2 || d % 2) return fail("rope_attn_decode: head_dim must be even and >= 2");
-  if (pos < 0 || pos >= max_seq) return fail("rope_attn_decode: pos must be in [0, max_seq)");
-  const int64_t j0 = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-  const uint16_t* cr = cos + pos * d;
-  const uint16_t* sr = sin + pos * d;
-  const int isa = fk_isa();
-  switch (isa) {
-#if defined(__x86_64__)
-    case 2: avx512::write_kv(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq); break;
-    case 1: avx2::write_kv(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq); break;
-#endif
-    default: generic::write_kv(qkv, B, nh, nkv, d, pos, cr, sr, kcache, vcache, max_seq);
-  }
-  // Query heads over the kernel's thread pool: a single thread would leave the other cores idle
-  // between two weight streams (about 70 us a layer at 150 positions); tiny work stays on one.
-  struct Ctx {
-    const uint16_t *qkv, *cr, *sr, *kc, *vc;
-    int64_t nh, nkv, d, pos, max_seq, j0;
-    float scale;
-    uint16_t* out;
-    int isa;
-  } ctx{qkv, cr, sr, kcache, vcache, nh, nkv, d, pos, max_seq, j0, scale, out, isa};
-  auto run = [](const void* p, int64_t h0, int64_t h1) {
-    const Ctx& c = *static_cast<const Ctx*>(p);
-    thread_local std::vector<float> sc;
-    const size_t need = size_t(c.max_seq + 3 * c.d);
-    if (sc.size() < need) sc.resize(need);
-    switch (c.isa) {
-#if defined(__x86_64__)
-      case 2:
-        avx512::attend_heads(c.qkv, c.nh, c.nkv, c.d, c.pos, c.cr, c.sr, c.kc, c.vc, c.max_seq, c.j0, c.scale,
-                             c.out, h0, h1, sc.data());
-        break;
-      case 1:
-        avx2::attend_heads(c.qkv, c.nh, c.nkv, c.d, c.pos, c.cr, c.sr, c.kc, c.vc, c.max_seq, c.j0, c.scale,
-                           c.out, h0, h1, sc.data());
-        break;
-#endif
-      default:
-        generic::attend_heads(c.qkv, c.nh, c.nkv, c.d, c.pos, c.cr, c.sr, c.kc, c.vc, c.max_seq, c.j0, c.scale,
-                              c.out, h0, h1, sc.data());
-    }
-  };
-  const int64_t heads = B * nh, work = heads * (pos + 1 - j0) * d;
-  fk::parallel_for(work >= (int64_t(1) << 15) ? 0 : 1, heads, run, &ctx);
-  return 0;
+  std::vector<int64_t> p(size_t(B), pos), r(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) r[size_t(b)] = b;
+  return rope_attn_rows(qkv, B, nh, nkv, d, p.data(), r.data(), cos, sin, kcache, vcache, max_batch, max_seq,
+                        window, scale, out);
+}
+
+// The same for B sequences each at its own position pos[b], written to and read from cache row rows[b]
+// (continuous batching: fiddler.batch's slots). Row b's results are bit-identical to a one-row call at
+// pos[b] on that cache row. The rows must be distinct.
+FK_API int fk_rope_attn_decode_rows_bf16(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d,
+                                         const int64_t* pos, const int64_t* rows, const uint16_t* cos,
+                                         const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch,
+                                         int64_t max_seq, int64_t window, float scale, uint16_t* out) {
+  return rope_attn_rows(qkv, B, nh, nkv, d, pos, rows, cos, sin, kcache, vcache, max_batch, max_seq, window,
+                        scale, out);
 }

@@ -262,7 +262,11 @@ def speedups(df: pd.DataFrame, fig: Figure, fiddler: str = FIDDLER,
                 rows.append({"environment": env, **cell, "fiddler": fiddler, "baseline": system,
                              f"fiddler_{fig.metric}": fv, f"baseline_{fig.metric}": bv, "speedup": sp,
                              "best_baseline": system == best})
-    return pd.DataFrame(rows)
+    # no cell where both ran (e.g. a record set without this Fiddler row): still the same columns, so a caller's
+    # filter on them selects nothing instead of raising KeyError
+    columns = ["environment", *fig.cell, "fiddler", "baseline", f"fiddler_{fig.metric}", f"baseline_{fig.metric}",
+               "speedup", "best_baseline"]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def _mean(values) -> float | None:

@@ -505,11 +505,14 @@ def planner_ablation(df: pd.DataFrame) -> tuple[str, str]:
 #: why a headline of "as the paper ran them" can miss the paper's number: the best-supported reasons, each with
 #: its source (stated in summary.md next to the miss)
 MISS_REASONS = {
-    "single_batch": "the released Fiddler's CPU experts are PyTorch bf16, whose 1-token GEMV is compute-bound per "
-                    "core (results/measured/2026-12-03-intel-xeon-torch-bf16-expert/torch_expert.json: 3.3-3.7 GB/s "
-                    "per core on the 2-core host that measured it); the paper's machines' cores are not that host's, "
-                    "and the factor is not refitted per cell; llama.cpp's decode factors are this project's measured "
-                    "ones (baselines/llama_cpp/sim.py CPU_FACTORS)",
+    "single_batch": "the released Fiddler's CPU experts are PyTorch bf16 on 16 threads, costed at the per-core "
+                    "rate measured on a quiet 2-core host (baselines/fiddler_engine/original_sim.py TORCH_FACTORS, "
+                    "with its source) times the threads, capped by the read limit: no measurement of the paper's "
+                    "CPUs, nor of torch 2.1.2, the version the released code pins (efeslab/fiddler@227715b:"
+                    "requirements.txt#L2; this host has a later one); llama.cpp 2024's decode uses this project's "
+                    "llama.cpp factors, measured on Sapphire Rapids and assumed on Skylake (baselines/llama_cpp/"
+                    "sim.py CPU_FACTORS), with -ngl as many layers as fit (the paper's value is not stated); "
+                    "nothing is refitted per cell",
     "long_prefill": "the released Fiddler copies every non-resident expert with >= 10 tokens from pageable memory, "
                     "synchronously (efeslab/fiddler@227715b:src/fiddler/mixtral.py#L565-590, #L610-616) at an assumed "
                     "half of the pinned rate (no measurement of the paper's hosts), while the 2024 llama.cpp offloads "
@@ -565,7 +568,7 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
                      f"{paper._x(r['paper'])} | {miss} |")
     lines += ["", "The paper's machines (paper_env1, paper_env2) are the scope of the comparison; the consumer cards "
               "have no measured PyTorch factors for their CPU classes, so the released Fiddler is `skipped` there.", ""]
-    bounds = _bounds(df)
+    bounds = [b for b in _bounds(df) if b["cells"]]  # none without beam records of both original rows
     if bounds:
         lines += ["Beam search (paper_env1 + paper_env2): Fiddler (original) over llama.cpp 2024 at the beams' "
                   "common prefix measured in this project's engine and at its two bounds:", "",
@@ -577,7 +580,8 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
         if vals and paper_beam:
             inside = min(vals) <= paper_beam <= max(vals)
             lines += ["", f"The paper's {paper_beam:.2f}x lies {'between' if inside else 'outside'} the two bounds "
-                      f"({min(vals):.2f}x-{max(vals):.2f}x).", ""]
+                      f"({min(vals):.2f}x-{max(vals):.2f}x)."]
+        lines.append("")
     for wl in sorted(set(misses)):
         lines += [f"- **{wl} misses the paper's number**: {MISS_REASONS[wl]}."]
     if misses:

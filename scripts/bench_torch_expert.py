@@ -75,7 +75,10 @@ def main() -> int:
 
     limit = fk.read_limit(threads=args.threads, repeats=args.repeats)
     limit1 = fk.read_limit(threads=1, repeats=args.repeats)
+    load_before = os.getloadavg()  # other processes on the host slow every reading: stored beside them
     native = expert_times(args.threads, args.repeats)
+    native_1t = expert_times(1, args.repeats)  # one thread: per-core bound (half of 2 threads) or not
+    torch.set_num_threads(args.threads)
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"}
     child = subprocess.run([sys.executable, __file__, "--child", "--threads", str(args.threads), "--repeats",
                             str(args.repeats)], env=env, capture_output=True, text=True, check=True)
@@ -86,7 +89,9 @@ def main() -> int:
         "cpu": cpu_info(), "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
         "expert_bytes": nbytes, "read_limit_gbps": limit["gbps"], "read_limit_best": limit["best"],
         "read_limit_1t_gbps": limit1["gbps"],
-        "native_s": native, "avx512_core_s": avx512,
+        "native_s": native, "native_1t_s": native_1t, "avx512_core_s": avx512,
+        "native_gbps_1tok_1t": nbytes / native_1t["1"] / 1e9,
+        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
         "native_gbps_1tok": nbytes / native["1"] / 1e9,
         "native_fraction_of_limit_1tok": nbytes / native["1"] / 1e9 / limit["gbps"],
         "avx512_over_native": {t: avx512[t] / native[t] for t in native},

@@ -28,11 +28,15 @@ tokens at the first step, then each beam greedy: decode forwards of beam_width r
 sequence's output tokens over prefill + decode (benchmarks/latency.py#L67-80), as the harness counts.
 
 PyTorch's CPU expert (bf16 F.linear, no Fiddler kernel) costs bytes / streaming rate + FLOPs / (cores used x
-GFLOP/s per core), the factors measured here (TORCH_FACTORS). At one token torch's bf16 GEMV is compute-bound
-per core on the measured host (it read 0.34 of a read limit that one thread alone saturates), so its streaming
-rate is a rate per core: rate = min(read limit, cores used x GB/s per core). Its 16 threads on the described
-machine: cores used = min(16, the environment's cores) (threads beyond the cores add no FMA units; env1's
-12-core socket runs the 16 threads on 12 cores; env2 runs them on 16 of its 56 cores).
+GFLOP/s per core), the factors measured here (TORCH_FACTORS). On the measuring host (2 cores) one thread of the
+read-limit probe reads half of what two do (19.0 vs 37.9 GB/s), and torch's 1-token expert reads 10.9 GB/s per
+core with both: a per-core streaming rate. So rate = min(read limit, cores used x GB/s per core). Its 16 threads
+on the described machine: cores used = min(16, the environment's cores) (threads beyond the cores add no load
+units; env1's 12-core socket runs the 16 threads on 12 cores; env2 runs them on 16 of its 56 cores).
+The measurement must be taken on a quiet host: with another process on one of the two cores, a 2-thread
+OpenMP call runs at its straggler's pace (results/measured/2026-12-02-intel-xeon-torch-bf16-expert/
+torch_expert-run3-contended.json: 2 threads 5.9 GB/s, slower than 1 thread's 7.9, and a read limit of 20.6 =
+one core's); the 2026-12-03 reading this model first used (6.6 GB/s at 1 token, limit 19.3) was such a one.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from fiddler.sim import SimContext, SimPolicy, Step
 from fiddler.sim.fiddler_policy import ATTENTION_LAUNCHES
 
 _SRC = "efeslab/fiddler@227715b:src/fiddler/mixtral.py"
-_TORCH = "results/measured/2026-12-03-intel-xeon-torch-bf16-expert/torch_expert.json"
+_TORCH = "results/measured/2026-12-02-intel-xeon-torch-bf16-expert/torch_expert.json"
 
 PARAMS: dict[str, Cited] = {
     "latency_cpu": Cited(7, f"{_SRC}#L38", "cost of one token of one expert on the CPU"),
@@ -70,6 +74,9 @@ PARAMS: dict[str, Cited] = {
     "beam_topk_then_greedy": Cited(True, f"{_SRC}#L413-426", "top-k at the first step, then top-1 per beam"),
     "tok_s_one_sequence": Cited(True, "efeslab/fiddler@227715b:benchmarks/latency.py#L67-80",
                                 "output tokens of one sequence over prefill + decode time"),
+    "torch_version": Cited("2.1.2", "efeslab/fiddler@227715b:requirements.txt#L2",
+                           "the torch the released code pins; TORCH_FACTORS were measured with this host's later "
+                           "torch (2.13), whose oneDNN kernels may differ"),
     "torch_factors": Cited("TORCH_FACTORS", _TORCH, "PyTorch bf16 expert vs the read limit, native and AVX512_CORE"),
 }
 
@@ -78,12 +85,14 @@ PARAMS: dict[str, Cited] = {
 #: host with ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512 (AVX-512 without BF16 or AMX), i.e. the
 #: native factors times the measured ratio of the two runs' times.
 TORCH_FACTORS: dict[str, dict[str, Any]] = {
-    "intel_sapphire_rapids": {"gbps_per_core": 3.31, "gflops_per_core": 385.0,
-                              "source": f"{_TORCH}: native, 2 threads: 6.62 GB/s at 1 token (0.34 of the 19.3 GB/s "
-                                        "limit, which one thread reaches alone: 19.5), 385 GFLOP/s per core at 128"},
-    "intel_skylake_avx512": {"gbps_per_core": 3.68, "gflops_per_core": 16.9,
-                             "source": f"{_TORCH}: AVX512_CORE run, 2 threads: 1 token 0.90x, 128 tokens 12.4x the "
-                                       "native time -> 7.37 GB/s at 1 token, 16.9 GFLOP/s per core at 128"},
+    "intel_sapphire_rapids": {"gbps_per_core": 10.9, "gflops_per_core": 860.0,
+                              "source": f"{_TORCH}: native (oneDNN brgemm, AMX), 2 threads, quiet host (read limit "
+                                        "37.9 GB/s, one thread 19.0): 21.8 GB/s at 1 token (16.2 ms), 860 GFLOP/s "
+                                        "per core at 128 tokens"},
+    "intel_skylake_avx512": {"gbps_per_core": 12.6, "gflops_per_core": 37.3,
+                             "source": f"{_TORCH}: ONEDNN_MAX_CPU_ISA=AVX512_CORE ATEN_CPU_CAPABILITY=avx512, 2 "
+                                       "threads, same run: 25.3 GB/s at 1 token (13.9 ms, 0.86x the native time), "
+                                       "37.3 GFLOP/s per core at 128 tokens (0.618 s, 14.6x the native time)"},
 }
 
 

@@ -150,6 +150,7 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
     finished: list[tuple[float, torch.Tensor]] = []  # (score, tokens), best first, at most B
     improvable = True
     lat = []
+    prefix = []  # per step: generated tokens all running beams share (llama_beam_search's common prefix)
 
     t0 = time.perf_counter()
     # One batch-1 prefill: every first-step continuation comes from row 0, so the reorder before the
@@ -181,6 +182,7 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
         running_scores = run_scores[keep]
         seqs = seqs[beam_idx]
         seqs[:, step] = tok[keep]
+        prefix.append(_common_prefix(seqs[:, : step + 1]))
         if step == 0:
             _sync(dev)
             ttft = time.perf_counter() - t0
@@ -206,5 +208,12 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
     return GenerationOutput(
         tokens=best.cpu(),
         sequences_scores=best_score,
-        stats={"ttft_s": ttft, "decode_latencies_s": lat, "prompt_tokens": S, "beam_width": B},
+        stats={"ttft_s": ttft, "decode_latencies_s": lat, "prompt_tokens": S, "beam_width": B,
+               "common_prefix_lens": prefix},
     )
+
+
+def _common_prefix(seqs: torch.Tensor) -> int:
+    """How many leading generated tokens every running beam (row of `seqs`) has in common."""
+    differs = (seqs != seqs[:1]).any(dim=0)
+    return int(differs.int().argmax()) if bool(differs.any()) else int(seqs.shape[1])

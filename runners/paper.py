@@ -18,21 +18,32 @@ import pandas as pd
 
 from runners import provenance
 
-# Rows of the paper's figures, in its order: Fiddler as the paper ran it first, then the baselines.
+# Rows of the paper's figures, in its order: the systems as the paper ran them first (Fiddler's released code,
+# the 2024 llama.cpp, Mixtral-Offloading's released code, DeepSpeed ZeRO-Inference), then today's rows.
 SYSTEMS: dict[str, str] = {
-    "fiddler_paper": "Fiddler",
-    "fiddler": "Fiddler (makespan planner)",
-    "llama_cpp": "llama.cpp",
-    "llama_cpp_cpu_moe": "llama.cpp --n-cpu-moe",
+    "fiddler_original": "Fiddler",
+    "llama_cpp_original": "llama.cpp (2024, llama_beam_search)",
     "mixtral_offloading_original": "Mixtral-Offloading",
-    "mixtral_offloading": "Mixtral-Offloading (ours, prefetch)",
     "deepspeed_mii": "DeepSpeed-MII",
+    "fiddler_paper": "Fiddler (paper's rule, our engine) †",
+    "fiddler": "Fiddler (makespan planner) †",
+    "llama_cpp": "llama.cpp (today) †",
+    "llama_cpp_cpu_moe": "llama.cpp --n-cpu-moe †",
+    "mixtral_offloading": "Mixtral-Offloading (ours, prefetch) †",
+    "llama_cpp_original_prefix_prompt": "llama.cpp (2024), prefix = prompt only",
+    "llama_cpp_original_prefix_all_but_last": "llama.cpp (2024), prefix = all but last",
 }
-FIDDLER = "fiddler_paper"
-# the paper's three baselines: llama.cpp, Mixtral-Offloading as its authors' code runs, DeepSpeed ZeRO-Inference
-PAPER_BASELINES = ("llama_cpp", "mixtral_offloading_original", "deepspeed_mii")
+#: rows the paper did not have (marked † in every table)
+NOT_IN_PAPER = ("fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe", "mixtral_offloading")
+MARK_NOTE = "† = a row the paper did not have (this project's engine or today's systems)."
+FIDDLER = "fiddler_original"
+FIDDLERS = ("fiddler_original", "fiddler_paper", "fiddler")
+# the paper's three baselines as it ran them: llama.cpp (2024), Mixtral-Offloading's released code, ZeRO-Inference
+PAPER_BASELINES = ("llama_cpp_original", "mixtral_offloading_original", "deepspeed_mii")
+# today's baselines (the "Today" part of summary.md)
+TODAY_BASELINES = ("llama_cpp", "llama_cpp_cpu_moe", "mixtral_offloading", "deepspeed_mii")
 # how paper-reported.csv names our rows
-PAPER_NAMES = {FIDDLER: "fiddler", "llama_cpp": "llama_cpp", "mixtral_offloading_original": "mixtral_offloading",
+PAPER_NAMES = {FIDDLER: "fiddler", "llama_cpp_original": "llama_cpp", "mixtral_offloading_original": "mixtral_offloading",
                "deepspeed_mii": "deepspeed_mii"}
 ENVIRONMENTS = ("rtx3060", "rtx4090", "paper_env1", "paper_env2")
 PAPER_ENVIRONMENTS = ("paper_env1", "paper_env2")
@@ -67,8 +78,13 @@ def system_key(rec: dict[str, Any]) -> str:
     name = rec.get("system")
     options = (rec.get("config") or {}).get("system") or {}
     if name == "fiddler":
+        if options.get("original"):
+            return "fiddler_original"
         return "fiddler_paper" if options.get("planner") == "paper" else "fiddler"
     if name == "llama_cpp":
+        if options.get("original"):
+            prefix = options.get("beam_prefix") or "measured"
+            return "llama_cpp_original" if prefix == "measured" else f"llama_cpp_original_prefix_{prefix}"
         return "llama_cpp_cpu_moe" if options.get("n_cpu_moe") not in (None, 0) else "llama_cpp"
     if name == "mixtral_offloading" and options.get("original_swap"):
         return "mixtral_offloading_original"
@@ -218,9 +234,11 @@ def figure_markdown(df: pd.DataFrame, fig: Figure, reported: pd.DataFrame | None
 
 
 # ------------------------------------------------------------------------------------------ speedups
-def speedups(df: pd.DataFrame, fig: Figure, fiddler: str = FIDDLER) -> pd.DataFrame:
+def speedups(df: pd.DataFrame, fig: Figure, fiddler: str = FIDDLER,
+             best_of: tuple[str, ...] = PAPER_BASELINES) -> pd.DataFrame:
     """Fiddler's speedup over each baseline in every cell where both ran: tok/s ratio, or the inverse
-    ratio of TTFT. `best_baseline` marks the baseline the paper's summary uses (the best of its three)."""
+    ratio of TTFT. `best_baseline` marks the baseline the summary uses: the best of `best_of` (the paper's
+    three as it ran them, or today's)."""
     sub = df[(df["workload"] == fig.workload) & (df["status"] == "ok")]
     rows = []
     for env in _order(sub["environment"], ENVIRONMENTS):
@@ -232,19 +250,23 @@ def speedups(df: pd.DataFrame, fig: Figure, fiddler: str = FIDDLER) -> pd.DataFr
             fv = float(f[fig.metric].iloc[0])
             base = {}
             for system in _order(e["system"], SYSTEMS):
-                if system in (FIDDLER, "fiddler"):
+                if system in FIDDLERS or system.startswith("llama_cpp_original_prefix_"):
                     continue
                 b = _select(e, env, system, cell)
                 if len(b) and _ok(b[fig.metric].iloc[0]) and float(b[fig.metric].iloc[0]) > 0:
                     base[system] = float(b[fig.metric].iloc[0])
-            paper_base = {s: v for s, v in base.items() if s in PAPER_BASELINES}
+            paper_base = {s: v for s, v in base.items() if s in best_of}
             best = (max if fig.higher_is_better else min)(paper_base, key=paper_base.get) if paper_base else None
             for system, bv in base.items():
                 sp = fv / bv if fig.higher_is_better else bv / fv
                 rows.append({"environment": env, **cell, "fiddler": fiddler, "baseline": system,
                              f"fiddler_{fig.metric}": fv, f"baseline_{fig.metric}": bv, "speedup": sp,
                              "best_baseline": system == best})
-    return pd.DataFrame(rows)
+    # no cell where both ran (e.g. a record set without this Fiddler row): still the same columns, so a caller's
+    # filter on them selects nothing instead of raising KeyError
+    columns = ["environment", *fig.cell, "fiddler", "baseline", f"fiddler_{fig.metric}", f"baseline_{fig.metric}",
+               "speedup", "best_baseline"]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def _mean(values) -> float | None:
@@ -270,25 +292,33 @@ def summary(sp: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+PARTS = (
+    ("As the paper ran them", FIDDLER, PAPER_BASELINES, "llama_cpp_original"),
+    ("Today", "fiddler", TODAY_BASELINES, "llama_cpp"),
+    ("Today, the paper's rule", "fiddler_paper", TODAY_BASELINES, "llama_cpp"),
+)
+
+
 def speedup_markdown(df: pd.DataFrame, reported: pd.DataFrame | None) -> tuple[str, pd.DataFrame]:
     """speedups.md and the per-cell frame behind it (speedups.csv)."""
     out = ["# Fiddler's speedup over the baselines", "", header(df), "",
            "Per cell: Fiddler's tok/s over the baseline's (TTFT: the baseline's over Fiddler's). The paper's "
-           "summary is the mean over cells of the speedup over the best of its three baselines (llama.cpp, "
-           "Mixtral-Offloading as its authors' code runs, DeepSpeed-MII) in each cell; for beam search the paper "
-           "states the mean speedup over llama.cpp. `llama.cpp --n-cpu-moe` and this project's Mixtral-Offloading "
-           "with prefetch (not in the paper), and Fiddler with the makespan planner, are shown beside it.", ""]
+           "summary is the mean over cells of the speedup over the best of its three baselines in each cell; for "
+           "beam search the paper states the mean speedup over llama.cpp. *As the paper ran them*: Fiddler's "
+           "released code over llama.cpp (2024), Mixtral-Offloading's released code and DeepSpeed-MII. *Today*: "
+           "this project's Fiddler over today's llama.cpp (-ngl and --n-cpu-moe), this project's Mixtral-Offloading "
+           "and DeepSpeed-MII. " + MARK_NOTE, ""]
     frames = []
     for wl, fig in FIGURES.items():
-        for fiddler in (FIDDLER, "fiddler"):
-            sp = speedups(df, fig, fiddler)
+        for part, fiddler, best_of, llama in PARTS:
+            sp = speedups(df, fig, fiddler, best_of)
             if not len(sp):
                 continue
-            frames.append(sp.assign(workload=wl))
+            frames.append(sp.assign(workload=wl, part=part))
             paper = reported_summary(reported, wl) if reported is not None and fiddler == FIDDLER else None
             rows = summary(sp)
             baselines = [c.removeprefix("vs_") for c in rows[0] if c.startswith("vs_") and c != "vs_best_baseline"]
-            out += [f"## {fig.title} ({SYSTEMS[fiddler]})", ""]
+            out += [f"## {fig.title}: {part} ({SYSTEMS[fiddler]})", ""]
             if paper is not None:
                 what = "over llama.cpp" if fig.paper_summary == "speedup_vs_llama_cpp" else "over the best baseline"
                 out += [f"The paper reports {paper:.2f}x (mean {what}).", ""]
@@ -303,20 +333,22 @@ def speedup_markdown(df: pd.DataFrame, reported: pd.DataFrame | None) -> tuple[s
     return "\n".join(out), cells
 
 
-def headline(df: pd.DataFrame, reported: pd.DataFrame | None) -> list[dict[str, Any]]:
-    """Fiddler's mean speedups the paper's way next to the paper's 1.26x / 1.30x / 11.57x."""
+def headline(df: pd.DataFrame, reported: pd.DataFrame | None, part: int = 0) -> list[dict[str, Any]]:
+    """Fiddler's mean speedups the paper's way (PARTS[part]: as the paper ran them, or today) next to the
+    paper's 1.26x / 1.30x / 11.57x."""
+    _, fiddler, best_of, llama = PARTS[part]
     rows = []
     for wl, fig in FIGURES.items():
-        sp = speedups(df, fig)
+        sp = speedups(df, fig, fiddler, best_of)
         if not len(sp):
             continue
         by_scope = {r["scope"]: r for r in summary(sp)}
-        key = "vs_llama_cpp" if fig.paper_summary == "speedup_vs_llama_cpp" else "vs_best_baseline"
-        for scope in ("all four", "paper_env1 + paper_env2"):
+        key = f"vs_{llama}" if fig.paper_summary == "speedup_vs_llama_cpp" else "vs_best_baseline"
+        for scope in ("paper_env1 + paper_env2", "all four"):
             r = by_scope.get(scope)
             if r is not None:
-                rows.append({"workload": wl, "scope": scope,
-                             "summary": "over llama.cpp" if key == "vs_llama_cpp" else "over the best baseline",
+                rows.append({"workload": wl, "scope": scope, "cells": r["cells"],
+                             "summary": f"over {SYSTEMS[llama]}" if key != "vs_best_baseline" else "over the best baseline",
                              "simulated": r.get(key), "paper": reported_summary(reported, wl)
                              if reported is not None else None})
     return rows

@@ -164,3 +164,24 @@ def test_length_checks_name_both_numbers():
         generate(ToyModel(), torch.tensor([1]), 3, beam_width=2, do_sample=True)
     check_lengths(100, 20, 120, 120)  # exactly at the limit is fine
     assert math.isfinite(generate(ToyModel(max_seq=8), torch.tensor([1, 2, 3]), 5).stats["ttft_s"])
+
+
+def test_common_prefix_of_rows():
+    from fiddler.generate import _common_prefix
+
+    assert _common_prefix(torch.tensor([[1, 2, 3], [1, 2, 4]])) == 2
+    assert _common_prefix(torch.tensor([[1, 2, 3], [1, 2, 3]])) == 3
+    assert _common_prefix(torch.tensor([[5, 2], [1, 2], [5, 2]])) == 0
+
+
+@pytest.mark.parametrize("beam_width", [2, 4])
+def test_beam_stats_record_the_common_prefix(beam_width):
+    """common_prefix_lens[i]: the generated tokens every running beam shares after step i (what
+    llama_beam_search decodes once and drops from each beam's next call); it can only grow (beams extend
+    beams) and never exceeds the tokens generated."""
+    model, prompt = ToyModel(vocab=3, seed=5), [1, 2]
+    out = generate(model, torch.tensor(prompt), 10, beam_width=beam_width)
+    lens = out.stats["common_prefix_lens"]
+    assert 1 <= len(lens) <= 10
+    assert all(0 <= p <= i + 1 for i, p in enumerate(lens))
+    assert lens == sorted(lens)

@@ -50,7 +50,7 @@ def test_every_configuration_of_the_three_experiments_composes_in_simulate_mode(
         params = _compose(f"+experiment={exp}", hydra=True).hydra.sweeper.params
         envs, systems = params.environment.split(","), params.system.split(",")
         assert envs == ["rtx3060", "rtx4090", "paper_env1", "paper_env2"]
-        assert systems == ["fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe",
+        assert systems == ["fiddler_original", "llama_cpp_original", "fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe",
                            "mixtral_offloading_original", "mixtral_offloading", "deepspeed_mii"]
         for env, system in itertools.product(envs, systems):
             cfg = _compose(f"+experiment={exp}", f"environment={env}", f"system={system}")
@@ -64,7 +64,7 @@ def test_every_configuration_of_the_three_experiments_composes_in_simulate_mode(
                 assert conf.system.name == "llama_cpp" and conf.system.n_cpu_moe == -1
             if system == "mixtral_offloading_original":
                 assert conf.system.name == "mixtral_offloading" and conf.system.original_swap
-    assert jobs == 84  # 7 rows x 4 machines x 3 experiments ("about 70 configurations")
+    assert jobs == 108  # 9 rows x 4 machines x 3 experiments
 
 
 def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):
@@ -87,8 +87,11 @@ def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):
 
 def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(tmp_path):
     mod = _reproduce()
-    recs = single_batch_records() + [rec("fiddler_paper", "paper_env1", "beam", 32, 64, 4, tok=5.0),
-                                     rec("llama_cpp", "paper_env1", "beam", 32, 64, 4, tok=0.5)]
+    # beam: the rows as the paper ran them (summary.md's first part and its prefix-bounds table) and today's
+    recs = single_batch_records() + [rec("fiddler_original", "paper_env1", "beam", 32, 64, 4, tok=5.0),
+                                     rec("llama_cpp_original", "paper_env1", "beam", 32, 64, 4, tok=0.5),
+                                     rec("fiddler_paper", "paper_env1", "beam", 32, 64, 4, tok=4.0),
+                                     rec("llama_cpp", "paper_env1", "beam", 32, 64, 4, tok=2.0)]
     outs = []
     for name in ("a", "b"):
         stage = tmp_path / name
@@ -99,7 +102,10 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
     files = outs[0][0]
     assert {"single_batch.md", "single_batch.csv", "long_prefill.md", "beam.md", "speedups.md", "speedups.csv",
             "planner.md", "summary.md"} <= set(files)
-    assert "| beam | all four | over llama.cpp | 10.00x | 11.57x |" in files["summary.md"]
+    summary = files["summary.md"]
+    assert "| beam | all four | 1 | over llama.cpp (2024, llama_beam_search) | 10.00x | 11.57x |" in summary  # 5.0 / 0.5
+    assert "| prefix measured on the benchmark model (engine's beam search) | 1 | 10.00x | 11.57x |" in summary
+    assert "| beam | all four | 1 | over llama.cpp (today) † | 2.00x |" in summary  # 4.0 / 2.0, a row the paper lacked
     assert not any(str(tmp_path) in text or "2026" in text for text in files.values())  # no paths or dates
     out = tmp_path / "out"
     out.mkdir()

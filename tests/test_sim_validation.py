@@ -39,6 +39,12 @@ def test_every_pairwise_ordering_of_the_papers_fig4_holds():
     assert all(v["ratio"] is not None for v in values)
 
 
+def test_fig4_with_the_systems_as_the_paper_ran_them_is_reported_pair_by_pair():
+    values, orders, _ = validate_sim.check_fig4(validate_sim.FIG4_ORIGINAL, {})
+    assert len(orders) == 12 and {v["config"] for v in values if v["system"] == "fiddler"} == {"system=fiddler_original"}
+    assert all(v["simulated_e2e_tok_s"] is not None for v in values)
+
+
 def test_this_hosts_committed_execute_records_are_simulated_within_bounds():
     rows, ok = validate_sim.check_host_records()
     assert len(rows) == 3 * 2 * 2  # three sweeps x fiddler, llama_cpp x decode, TTFT

@@ -30,6 +30,9 @@ class FiddlerConfig(EngineSystemConfig):
     # None (the model dtype), q8_0 or q4_0: experts and attention projections as llama.cpp blocks
     # (fiddler.quant), like for like with system=llama_cpp's quant of the same type (quant_policy: pure)
     quant: Optional[str] = None
+    # true: the released Fiddler as the paper ran it (efeslab/fiddler@227715b), mode=simulate only
+    # (baselines/fiddler_engine/original_sim.py); conf/system/fiddler_original.yaml
+    original: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,6 +54,10 @@ class FiddlerConfig(EngineSystemConfig):
             raise ConfigError(f"system.quant={self.quant!r} is invalid for model={model}: {exc}") from None
 
     def sim_policy(self):
+        if self.original:
+            from .original_sim import FiddlerOriginalSimPolicy
+
+            return FiddlerOriginalSimPolicy()
         from fiddler.sim import FiddlerSimPolicy
 
         return FiddlerSimPolicy(planner=self.planner.value, placement=self.placement.value,

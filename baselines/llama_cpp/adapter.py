@@ -92,6 +92,9 @@ class LlamaCppAdapter(SystemAdapter):
 
     # ------------------------------------------------------------------------------------------
     def load(self) -> None:
+        if self.config.original:
+            raise SystemUnavailable("system.original=true models the paper's 2024 llama.cpp build (llama_beam_search) "
+                                    "in mode=simulate only")
         try:
             import llama_cpp
         except ImportError as exc:

@@ -41,6 +41,10 @@ class LlamaCppConfig(SystemConfig):
     converter_dir: Optional[str] = None  # llama.cpp source tree with convert_hf_to_gguf.py
     verbose: bool = False
     kv_cache_type: str = "f16"  # llama.cpp's default; also bf16, f32, q8_0, q4_0
+    # true: llama.cpp as the paper ran it (a 2024 build with llama_beam_search), mode=simulate only
+    # (baselines/llama_cpp/original_sim.py); conf/system/llama_cpp_original.yaml
+    original: bool = False
+    beam_prefix: str = "measured"  # original only: measured | prompt | all_but_last (the beams' common prefix)
 
     def __post_init__(self) -> None:
         check(lambda: self.quant in SUPPORTED_QUANTS, "system.quant", self.quant, ", ".join(SUPPORTED_QUANTS))
@@ -54,12 +58,19 @@ class LlamaCppConfig(SystemConfig):
             check(lambda: self.n_ctx >= 1, "system.n_ctx", self.n_ctx, "null or an integer >= 1")
         if self.threads is not None:
             check(lambda: self.threads >= 1, "system.threads", self.threads, "null or an integer >= 1")
+        check(lambda: self.beam_prefix in ("measured", "prompt", "all_but_last"), "system.beam_prefix",
+              self.beam_prefix, "measured, prompt or all_but_last")
         check(lambda: self.kv_cache_type in KV_CACHE_TYPES, "system.kv_cache_type", self.kv_cache_type,
               ", ".join(KV_CACHE_TYPES))
         check(lambda: not (self.kv_cache_type in ("q8_0", "q4_0") and self.flash_attn is OnOffAuto.off),
               "system.flash_attn", "off", "auto or on with a quantized KV cache (llama.cpp needs flash attention)")
 
     def sim_policy(self):
+        if self.original:
+            from .original_sim import LlamaCppOriginalSimPolicy
+
+            return LlamaCppOriginalSimPolicy(self.n_gpu_layers, self.n_cpu_moe, self.quant, self.n_batch, self.n_ctx,
+                                             self.kv_cache_type, beam_prefix=self.beam_prefix)
         from .sim import LlamaCppSimPolicy
 
         return LlamaCppSimPolicy(self.n_gpu_layers, self.n_cpu_moe, self.quant, self.n_batch, self.n_ctx,

@@ -159,6 +159,16 @@ class SimPolicy(abc.ABC):
         lane = self.main_lane(clock, ctx, ctx.config.num_layers - 1)
         return self.run_dense(clock, ctx, lane, *ctx.costs.head(step), ready, launches=2)
 
+    def prefill_rows(self, beam_width: int) -> int:
+        """Rows the prompt is prefilled as: 1 (the engine's beam search prefills once), or the beam width for
+        a system that replicates the prompt per beam."""
+        return 1
+
+    def forwards(self, step: Step, routing) -> list[tuple[Step, Any]]:
+        """The model forwards that make up `step` with their routing: one by default; a system whose beam
+        search decodes beams one call at a time returns several."""
+        return [(step, routing)]
+
     def stats(self) -> dict[str, Any]:
         return {}
 
@@ -192,16 +202,22 @@ def simulate(policy: SimPolicy, ctx: SimContext, routing: Routing, input_len: in
     ttft = None
     marks = []
     for i, r in enumerate(routing.steps(input_len, output_len, beam_width)):
-        rows = 1 if r.prefill else beam_width
+        rows = policy.prefill_rows(beam_width) if r.prefill else beam_width
+        if r.prefill and rows > 1:  # the prompt replicated per beam: each copy routes like the prompt
+            import dataclasses
+
+            r = dataclasses.replace(r, ids=np.concatenate([r.ids] * rows, axis=1),
+                                    guess=np.concatenate([r.guess] * rows, axis=1))
         step = Step(i, r.tokens, rows, input_len + (0 if r.prefill else i), r.prefill)
-        t = policy.embed(clock, ctx, step, t)
-        view = _by_decoder_layer(r, c) if c.dense_layers else r
-        for layer in range(c.num_layers):
-            if c.is_dense_layer(layer):
-                t = policy.dense_layer(clock, ctx, step, layer, t)
-            else:
-                t = policy.layer(clock, ctx, step, layer, view, t)
-        t = policy.head(clock, ctx, step, t)
+        for fstep, fr in policy.forwards(step, r):
+            t = policy.embed(clock, ctx, fstep, t)
+            view = _by_decoder_layer(fr, c) if c.dense_layers else fr
+            for layer in range(c.num_layers):
+                if c.is_dense_layer(layer):
+                    t = policy.dense_layer(clock, ctx, fstep, layer, t)
+                else:
+                    t = policy.layer(clock, ctx, fstep, layer, view, t)
+            t = policy.head(clock, ctx, fstep, t)
         t = max(t, *(lane.free_at for lane in clock.lanes()))  # the step's token is chosen when all work ended
         if r.prefill:
             ttft = t

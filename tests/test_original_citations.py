@@ -1,0 +1,56 @@
+"""Every parameter of a system as the paper ran it (`*_original`) carries a citation in the fixed format
+(baselines/citations.py), and the systems are wired: their yaml selects the cited policy."""
+from __future__ import annotations
+
+import pytest
+
+from baselines.citations import Cited, citation_problem
+
+
+def _params():
+    from baselines.fiddler_engine.original_sim import PARAMS as F
+    from baselines.llama_cpp.original_sim import PARAMS as L
+
+    return [("fiddler_original", k, v) for k, v in F.items()] + [("llama_cpp_original", k, v) for k, v in L.items()]
+
+
+@pytest.mark.parametrize("system,name,param", _params(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_original_parameter_is_cited(system, name, param):
+    assert isinstance(param, Cited), f"{system}.{name} is not a Cited parameter"
+    problem = citation_problem(param.source)
+    assert problem is None, f"{system}.{name}: {problem}"
+
+
+@pytest.mark.parametrize("source", ["efeslab/fiddler@227715b:src/fiddler/mixtral.py#L38-39",
+                                    "ggml-org/llama.cpp@5ca0944:llama.cpp#L14836", "arXiv:2402.07033 §4.1",
+                                    "results/measured/x-y/z.json", "assumption: no source states it, so this"])
+def test_citation_formats_accepted(source):
+    assert citation_problem(source) is None
+
+
+@pytest.mark.parametrize("source", ["", "mixtral.py line 38", "efeslab/fiddler:src/fiddler/mixtral.py#L38",
+                                    "efeslab/fiddler@227715b:src/fiddler/mixtral.py", "assumption:", "see the paper"])
+def test_citation_formats_refused(source):
+    assert citation_problem(source) is not None
+
+
+def test_original_torch_factors_come_from_the_cited_measurement():
+    import json
+    from pathlib import Path
+
+    from baselines.fiddler_engine import original_sim
+
+    root = Path(__file__).resolve().parents[1]
+    m = json.loads((root / original_sim.PARAMS["torch_factors"].source).read_text())
+    assert original_sim.TORCH_FACTORS["intel_sapphire_rapids"]["gbps_per_core"] == pytest.approx(
+        m["native_gbps_1tok"] / m["threads"], rel=0.01)
+    assert original_sim.TORCH_FACTORS["intel_skylake_avx512"]["gflops_per_core"] == pytest.approx(
+        m["avx512_core_gflops_per_core_128tok"], rel=0.01)
+
+
+def test_prefix_schedules_bound_the_measured_one():
+    from baselines.llama_cpp.original_sim import prefix_schedule
+
+    for b in (4, 8, 12, 16):
+        lo, hi, mid = (prefix_schedule(m, b, 63) for m in ("prompt", "all_but_last", "measured"))
+        assert all(l <= x <= h for l, x, h in zip(lo, mid, hi))

@@ -32,6 +32,10 @@ class FiddlerAdapter(EngineAdapter):
         from .profiles import reference_popularity
 
         c = self.config
+        if c.original:
+            from baselines.base import SystemUnavailable
+
+            raise SystemUnavailable("system=fiddler_original models the released code in mode=simulate; it has no server")
         if c.overlap is not None or c.record_routing:
             from baselines.base import SystemUnavailable
 

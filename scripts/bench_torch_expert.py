@@ -17,10 +17,10 @@ import os
 import platform
 import subprocess
 import sys
-import time
-
 import torch
 import torch.nn.functional as F
+
+from fiddler.latency import best_time
 
 HIDDEN, FFN = 4096, 14336
 TOKENS = (1, 4, 16, 128)
@@ -38,13 +38,7 @@ def expert_times(threads: int, repeats: int) -> dict[str, float]:
         def run():
             return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
-        run()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t0)
-        out[str(t)] = best
+        out[str(t)] = best_time(run, repeats=repeats)
     return out
 
 

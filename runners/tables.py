@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from runners import provenance
+from runners import provenance, table_format
+from runners.table_format import Col
 from runners.records import atomic_write_text
 
 KEYS = ["system", "variant", "model", "workload", "environment", "provenance", "mode", "input", "output", "beam",
@@ -96,33 +97,31 @@ def build(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
                           kind="stable", na_position="first").reset_index(drop=True)
 
 
-def _fmt(mean, sd, digits: int) -> str:
-    if mean is None or pd.isna(mean):
-        return ""
-    return f"{mean:.{digits}f} ± {0.0 if sd is None or pd.isna(sd) else sd:.{digits}f}"
+def columns(df: pd.DataFrame) -> list[Col]:
+    """The printed table's columns (runners/table_format.py lifts the constant ones into a header line):
+    the keys, then each metric as mean (± sd where a row has repetitions), serving metrics where any row has
+    them, the best of the repetitions where any row has more than one, and the decode bound."""
+    cols = [Col(k, KEY_TITLES.get(k, k), 0 if k in INT_KEYS else None) for k in KEYS]
+    cols.append(Col("status", "status"))
+    cols += [Col(key, title, digits, sd=f"{key}_sd") for key, title, digits in METRICS]
+    cols += [Col(key, title, digits, scale=1000 if title.endswith(" ms") else 1) for key, title, digits in SERVING]
+    # acceptance targets on noisy machines are stated as best of the repetitions; with one they are the mean
+    if len(df) and pd.to_numeric(df["reps"], errors="coerce").fillna(1).max() > 1:
+        cols += [Col("decode_tok_s_best", "best decode tok/s", 2), Col("prefill_tok_s_best", "best prefill tok/s", 1)]
+    # best decode tok/s over the host's decode bound (runners/decode_bound.py), for CPU runs
+    cols += [Col("decode_bound_fraction_best", "best decode / bound", 2), Col("reps", "reps", 0),
+             Col("valid", "valid"), Col("reason", "reason")]
+    return cols
+
+
+KEY_TITLES = {"provenance": "numbers"}
+INT_KEYS = ("input", "output", "beam", "streams")
 
 
 def display(df: pd.DataFrame) -> pd.DataFrame:
-    serving = df["streams"].notna().any()
-    keys = [k for k in KEYS if (k != "variant" or df["variant"].astype(bool).any()) and (k != "streams" or serving)]
-    out = df[keys + ["status"]].copy()
-    if serving:
-        out["streams"] = [("" if v is None or pd.isna(v) else str(int(v))) for v in df["streams"]]
-    for key, title, digits in METRICS:
-        out[title] = [_fmt(m, s, digits) for m, s in zip(df[key], df[f"{key}_sd"])]
-    if serving:  # TPOT shown in ms
-        for key, title, digits in SERVING:
-            scale = 1000 if title.endswith(" ms") else 1
-            out[title] = [("" if v is None or pd.isna(v) else f"{v * scale:.{digits}f}") for v in df[key]]
-    # acceptance targets on noisy machines are stated as best of the repetitions
-    for key, title in (("decode_tok_s", "best decode tok/s"), ("prefill_tok_s", "best prefill tok/s")):
-        out[title] = [("" if v is None or pd.isna(v) else f"{v:.2f}") for v in df[f"{key}_best"]]
-    # best decode tok/s over the host's decode bound (runners/decode_bound.py), for CPU runs
-    out["best decode / bound"] = [("" if v is None or pd.isna(v) else f"{v:.2f}")
-                                  for v in df["decode_bound_fraction_best"]]
-    out["reps"] = df["reps"]
-    out["valid"] = df["valid"]
-    out["reason"] = [("" if r is None or pd.isna(r) else " ".join(str(r).split())[:80]) for r in df["reason"]]
+    """The printed table's cells as text, every column (none lifted): for callers that want the frame."""
+    out = pd.DataFrame({c.title: [table_format.cell(r, c, "reps") for r in df.to_dict(orient="records")]
+                        for c in columns(df) if c.key in df.columns})
     return out
 
 
@@ -145,7 +144,9 @@ def header(df: pd.DataFrame) -> str:
 def to_markdown(df: pd.DataFrame) -> str:
     if df.empty:
         return "(no records)"
-    return header(df) + "\n\n" + display(df).to_markdown(index=False)
+    shown = df.assign(reason=[" ".join(str(r).split())[:80] if table_format.present(r) else None
+                              for r in df["reason"]])
+    return table_format.render(shown, columns(df), head=[header(df)], reps="reps")
 
 
 def save(df: pd.DataFrame, directory: Path) -> None:

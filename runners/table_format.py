@@ -1,0 +1,157 @@
+"""Every table this project writes as text goes through here (pandas in, text out): the run tables, the
+paper tables and the validation.
+
+    render(df, [Col("environment", "environment"), Col("e2e_tok_s", "e2e tok/s", 2)], head=["Numbers: ..."])
+
+The rules, in one place:
+- a column whose shown value is the same on every row (two rows or more) leaves the table for a header
+  line (`environment: paper_env1 · numbers: simulated`); a column that is empty on every row is dropped;
+- numbers are right-aligned at a fixed precision per column (`Col.digits`); text is left-aligned;
+- `mean ± sd` only where a row has more than one repetition (`Col.sd` names the sd column, `reps` the
+  repetitions column); one repetition shows the mean alone;
+- Markdown cells are padded to the column's width, so the text reads as a table in a terminal too.
+
+`fmt` is md (the default), csv, json or jsonl. The machine formats keep every selected column and the raw
+values (no lifting, no rounding beyond %.6g), keyed by `Col.key`.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import pandas as pd
+
+FORMATS = ("md", "csv", "json", "jsonl")
+SEP = " · "
+
+
+@dataclass(frozen=True)
+class Col:
+    """One column: the frame's `key`, its `title`; `digits` makes it a number column at that precision."""
+
+    key: str
+    title: str
+    digits: int | None = None
+    suffix: str = ""  # after a number, e.g. "x" for a speedup
+    scale: float = 1.0  # shown = value x scale (seconds as ms)
+    sd: str | None = None  # the sd column: "mean ± sd" where the row's repetitions > 1
+    lift: bool = True  # may leave the table for the header line when constant
+
+    @property
+    def numeric(self) -> bool:
+        return self.digits is not None
+
+
+def present(value: Any) -> bool:
+    """A value that is there: not None, not NaN, not ''."""
+    if value is None:
+        return False
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    try:
+        if pd.isna(value):
+            return False
+    except (TypeError, ValueError):
+        pass
+    return value != ""
+
+
+def number(value: Any, digits: int, suffix: str = "", scale: float = 1.0) -> str:
+    """A number at fixed precision; a nonzero value too small for it keeps `digits` significant digits
+    (0.0004 is not shown as 0.00). Text (a status such as `skipped`) passes through."""
+    if not present(value):
+        return ""
+    try:
+        v = float(value) * scale
+    except (TypeError, ValueError):
+        return str(value)
+    if v != 0 and abs(v) < 0.5 * 10 ** -digits:
+        return f"{v:.{max(1, digits)}g}{suffix}"
+    return f"{v:.{digits}f}{suffix}"
+
+
+def cell(row: dict, col: Col, reps_key: str | None) -> str:
+    value = row.get(col.key)
+    if not col.numeric:
+        return " ".join(str(value).split()) if present(value) else ""
+    text = number(value, col.digits, col.suffix, col.scale)
+    if col.sd and text and _reps(row, reps_key) > 1 and present(row.get(col.sd)):
+        text += f" ± {number(row.get(col.sd), col.digits, '', col.scale)}"
+    return text
+
+
+def _reps(row: dict, reps_key: str | None) -> int:
+    if reps_key is None:
+        return 2  # no repetitions column: a given sd is shown
+    v = row.get(reps_key)
+    return int(v) if present(v) else 1
+
+
+def render(df: pd.DataFrame, cols: Sequence[Col], *, head: Iterable[str] = (), fmt: str = "md",
+           reps: str | None = None, lift: bool = True, empty: str = "(no rows)") -> str:
+    """The table as text (see the module's docstring). `head`: lines above it (each its own paragraph)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown table format {fmt!r}: one of {', '.join(FORMATS)}")
+    cols = [c for c in cols if c.key in df.columns]
+    if fmt != "md":
+        return machine(df[[c.key for c in cols]] if cols else df, fmt)
+    rows = [r for _, r in df.iterrows()]
+    shown = {c.key: [cell(r.to_dict(), c, reps) for r in rows] for c in cols}
+    keep, lifted = [], []
+    for c in cols:
+        values = shown[c.key]
+        if not any(values):
+            continue
+        if lift and c.lift and len(values) > 1 and len(set(values)) == 1:
+            lifted.append(f"{c.title}: {values[0]}")
+            continue
+        keep.append(c)
+    out = [line for line in head if line]
+    if lifted:
+        out.append(SEP.join(lifted))
+    if not rows:
+        return "\n\n".join(out + [empty])
+    if not keep:  # every column was lifted: the header line says it all
+        return "\n\n".join(out)
+    out.append(markdown([c.title for c in keep], [[shown[c.key][i] for c in keep] for i in range(len(rows))],
+                        [c.numeric for c in keep]))
+    return "\n\n".join(out)
+
+
+def markdown(titles: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
+    """A Markdown table with every cell padded to its column's width; `right` aligns a column right."""
+    esc = [[str(v).replace("|", "\\|") for v in row] for row in body]
+    titles = [t.replace("|", "\\|") for t in titles]
+    widths = [max([len(t), 3] + [len(row[i]) for row in esc]) for i, t in enumerate(titles)]
+
+    def line(values) -> str:
+        return "| " + " | ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right)) + "|"
+    return "\n".join([line(titles), rule] + [line(row) for row in esc])
+
+
+def _plain(value: Any) -> Any:
+    if not present(value):
+        return None
+    if hasattr(value, "item"):  # numpy scalars
+        value = value.item()
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    return value
+
+
+def machine(df: pd.DataFrame, fmt: str) -> str:
+    """csv, json (a list of objects) or jsonl, with fixed float formatting (the same bytes for the same
+    numbers)."""
+    if fmt == "csv":
+        buf = io.StringIO()
+        df.to_csv(buf, index=False, float_format="%.6g", lineterminator="\n")
+        return buf.getvalue().rstrip("\n")
+    objs = [{str(k): _plain(v) for k, v in r.items()} for r in df.to_dict(orient="records")]
+    if fmt == "json":
+        return json.dumps(objs, indent=1, sort_keys=False)
+    return "\n".join(json.dumps(o, sort_keys=False) for o in objs)

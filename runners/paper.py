@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from runners import provenance
+from runners import provenance, table_format
+from runners.table_format import Col
 
 # Rows of the paper's figures, in its order: the systems as the paper ran them first (Fiddler's released code,
 # the 2024 llama.cpp, Mixtral-Offloading's released code, DeepSpeed ZeRO-Inference), then today's rows.
@@ -101,12 +102,13 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
         stats = {**stats, **(stats.get("executor") or {})}  # simulated records nest the executor's counters
         rows.append({
             "workload": r.get("workload"), "environment": r.get("environment"), "system": system_key(r),
+            "model": r.get("model"),
             "input": p.get("input_len"), "output": p.get("output_len"), "beam": p.get("beam_width"),
             "status": r.get("status"), "reason": r.get("reason"), "provenance": provenance.of_record(r),
             "e2e_tok_s": m.get("e2e_tok_s"), "ttft_s": m.get("ttft_s"), "decode_tok_s": m.get("decode_tok_s"),
             "gpu_hit_rate": stats.get("gpu_hit_rate"), "time": r.get("time") or "",
         })
-    df = pd.DataFrame(rows, columns=["workload", "environment", "system", "input", "output", "beam", "status",
+    df = pd.DataFrame(rows, columns=["workload", "environment", "system", "model", "input", "output", "beam", "status",
                                      "reason", "provenance", "e2e_tok_s", "ttft_s", "decode_tok_s",
                                      "gpu_hit_rate", "time"])
     if df.empty:
@@ -195,42 +197,40 @@ def figure_long(df: pd.DataFrame, fig: Figure, reported: pd.DataFrame | None) ->
 def figure_markdown(df: pd.DataFrame, fig: Figure, reported: pd.DataFrame | None) -> str:
     long = figure_long(df, fig, reported)
     sub = df[df["workload"] == fig.workload]
-    out = [f"# {fig.title}: {fig.metric} ({fig.unit}), Mixtral-8x7B", "", header(sub), ""]
+    model = _model(sub)
+    out = [f"# {fig.title}: {fig.unit}{', ' + model if model else ''}", "", header(sub), "", MARK_NOTE, ""]
     if long.empty:
         return "\n".join(out + ["(no records)", ""])
     systems = _order(long["system"], SYSTEMS)
     for env in _order(long["environment"], ENVIRONMENTS):
         e = long[long["environment"] == env]
-        out += [f"## {env}", ""]
-        cols = list(fig.cell) + [SYSTEMS.get(s, s) for s in systems] + ["numbers"]
-        lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" for _ in cols) + "|"]
+        rows = []
         for cell in _cells(e, fig):
             hit = e[[all(row[k] == v for k, v in cell.items()) for _, row in e.iterrows()]]
-            cells = [str(cell[k]) for k in fig.cell]
+            row: dict[str, Any] = dict(cell)
             for s in systems:
                 r = hit[hit["system"] == s]
-                if not len(r):
-                    cells.append("")
-                elif r["status"].iloc[0] != "ok":
-                    cells.append(str(r["status"].iloc[0]))
-                else:
-                    cells.append(fmt(r[fig.metric].iloc[0], fig.digits))
-            cells.append(_label_of(hit[hit["provenance"] != ""]))
-            lines.append("| " + " | ".join(cells) + " |")
-        out += lines + [""]
+                if len(r):
+                    row[s] = r[fig.metric].iloc[0] if r["status"].iloc[0] == "ok" else r["status"].iloc[0]
+            row["numbers"] = _label_of(hit[hit["provenance"] != ""])
+            rows.append(row)
+        cols = [Col(k, k, 0) for k in fig.cell] + [Col(s, SYSTEMS.get(s, s), fig.digits) for s in systems]
+        out += [f"## {env}", "", table_format.render(pd.DataFrame(rows), cols + [Col("numbers", "numbers")]), ""]
     cmp = long[long[f"paper_{fig.metric}"].notna()]
     if len(cmp):
+        cols = [Col("environment", "environment"), *(Col(k, k, 0) for k in fig.cell), Col("label", "system"),
+                Col(fig.metric, f"ours ({fig.unit})", fig.digits), Col(f"paper_{fig.metric}", f"paper ({fig.unit})", 2),
+                Col("ratio_to_paper", "ours / paper", 2), Col("provenance", "numbers")]
         out += ["## Compared with the paper", "",
-                f"Where the paper reports a value (results/reference/paper/paper-reported.csv); ratio = ours / "
-                f"the paper's.", "",
-                "| environment | " + " | ".join(fig.cell) + " | system | ours | paper | ratio | numbers |",
-                "|---|" + "---:|" * len(fig.cell) + "---|---:|---:|---:|---|"]
-        for _, r in cmp.iterrows():
-            out.append(f"| {r['environment']} | " + " | ".join(str(r[k]) for k in fig.cell)
-                       + f" | {r['label']} | {fmt(r[fig.metric], fig.digits)} | {fmt(r[f'paper_{fig.metric}'], 2)}"
-                       f" | {fmt(r['ratio_to_paper'], 2)} | {r['provenance']} |")
-        out.append("")
+                "Where the paper reports a value (results/reference/paper/paper-reported.csv); ratio = ours / "
+                "the paper's.", "", table_format.render(cmp, cols, lift=False), ""]
     return "\n".join(out)
+
+
+def _model(sub: pd.DataFrame) -> str:
+    from runners import figures  # names only; matplotlib is imported when drawing
+
+    return figures.model_name(sub["model"]) if "model" in sub and len(sub) else ""
 
 
 # ------------------------------------------------------------------------------------------ speedups
@@ -322,13 +322,10 @@ def speedup_markdown(df: pd.DataFrame, reported: pd.DataFrame | None) -> tuple[s
             if paper is not None:
                 what = "over llama.cpp" if fig.paper_summary == "speedup_vs_llama_cpp" else "over the best baseline"
                 out += [f"The paper reports {paper:.2f}x (mean {what}).", ""]
-            cols = ["scope", "cells", "vs best baseline"] + [f"vs {SYSTEMS.get(b, b)}" for b in baselines]
-            out += ["| " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * (len(cols) - 2)]
-            for r in rows:
-                vals = [r["scope"], str(r["cells"]), _x(r["vs_best_baseline"])]
-                vals += [_x(r.get(f"vs_{b}")) for b in baselines]
-                out.append("| " + " | ".join(vals) + " |")
-            out.append("")
+            cols = [Col("scope", "scope", lift=False), Col("cells", "cells", 0, lift=False),
+                    Col("vs_best_baseline", "vs best baseline", 2, "x", lift=False)]
+            cols += [Col(f"vs_{b}", f"vs {SYSTEMS.get(b, b)}", 2, "x", lift=False) for b in baselines]
+            out += [table_format.render(pd.DataFrame(rows), cols), ""]
     cells = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return "\n".join(out), cells
 
@@ -387,77 +384,243 @@ def to_csv(df: pd.DataFrame) -> str:
     return buf.getvalue()
 
 
-# ------------------------------------------------------------------------------------------ plots
-def plot_figure(df: pd.DataFrame, fig: Figure, path: Path) -> None:
-    """Grouped bars per environment, one bar per system and cell, in the paper's style; the title says
-    what produced the numbers. PNG metadata fixed (no software version or date), so files are reproducible."""
-    import matplotlib
+# ------------------------------------------------------------------------------------------ figures
+REPORTED_NOTE = "hollow markers: the paper's reported values (results/reference/paper/paper-reported.csv)"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401
 
-    sub = df[(df["workload"] == fig.workload) & (df["status"] == "ok")]
+def _provenance_caption(sub: pd.DataFrame) -> str:
+    label = _label_of(sub)
+    if label == provenance.SIMULATED:
+        return "SIMULATED from each environment's hardware spec (mode=simulate; no hardware ran)"
+    return label.upper()
+
+
+def _positions(cells: list[dict[str, int]], fig: Figure) -> tuple[list[float], list[str], list[tuple[float, str]]]:
+    """x positions of the cells, their tick labels and group labels: one key is the x value itself; two keys
+    (input x output) are groups of the first key, a gap between groups."""
+    if len(fig.cell) == 1:
+        return [float(c[fig.cell[0]]) for c in cells], [str(c[fig.cell[0]]) for c in cells], []
+    xs, ticks, groups, group, x = [], [], [], None, -1.0
+    for c in cells:
+        if c[fig.cell[0]] != group:
+            group = c[fig.cell[0]]
+            x += 1.6 if xs else 1.0
+            groups.append((x, f"{fig.cell[0]} {group}"))
+        else:
+            x += 1.0
+        xs.append(x)
+        ticks.append(str(c[fig.cell[1]]))
+    # a group label centred under its cells
+    centred = []
+    for k, (start, lab) in enumerate(groups):
+        end = (groups[k + 1][0] - 1.6) if k + 1 < len(groups) else xs[-1]
+        centred.append(((start + end) / 2, lab))
+    return xs, ticks, centred
+
+
+def plot_figure(df: pd.DataFrame, fig: Figure, stem: Path, reported: pd.DataFrame | None = None) -> list[Path]:
+    """One panel per environment: each system's value per cell as points joined by lines (a gap where a cell
+    is missing, named in the panel), the paper's reported values as hollow markers. Written as PNG, PDF and
+    SVG (runners/figures.py)."""
+    from runners import figures
+
+    plt = figures.pyplot()
+    sub = df[df["workload"] == fig.workload]
     envs = _order(sub["environment"], ENVIRONMENTS)
-    systems = _order(sub["system"], SYSTEMS)
     if not envs:
-        return
-    plt.rcParams.update({"svg.hashsalt": "fiddler", "font.size": 8})
-    ncols = 2 if len(envs) > 1 else 1
+        return []
+    systems = _order(sub["system"], SYSTEMS)
+    color = dict(zip(systems, figures.colors(len(systems))))
+    marker = {s: figures.MARKERS[i % len(figures.MARKERS)] for i, s in enumerate(systems)}
+    # two keys (input x output: 16 cells) take the full width, one panel per row; one key, two panels a row
+    ncols = 1 if len(fig.cell) > 1 or len(envs) == 1 else 2
     nrows = (len(envs) + ncols - 1) // ncols
-    f, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 3.0 * nrows), squeeze=False)
-    colors = plt.get_cmap("tab10")
+    f, axes = plt.subplots(nrows, ncols, figsize=(7.2, (2.3 if ncols == 1 else 2.7) * nrows), squeeze=False)
+    any_reported = False
     for ax, env in zip(axes.flat, envs):
         e = sub[sub["environment"] == env]
         cells = _cells(e, fig)
-        width = 0.8 / max(1, len(systems))
-        for i, s in enumerate(systems):
+        xs, ticks, groups = _positions(cells, fig)
+        values, missing = [], {}
+        for s in systems:
             ys = []
             for cell in cells:
                 hit = _select(e, env, s, cell)
-                ys.append(float(hit[fig.metric].iloc[0]) if len(hit) and _ok(hit[fig.metric].iloc[0]) else 0.0)
-            xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(cells))]
-            ax.bar(xs, ys, width, label=SYSTEMS.get(s, s), color=colors(i % 10))
-        ax.set_xticks(range(len(cells)))
-        ax.set_xticklabels(["-".join(str(c[k]) for k in fig.cell) for c in cells], rotation=45 if len(cells) > 6
-                           else 0, ha="right" if len(cells) > 6 else "center")
-        ax.set_title(env)
-        ax.set_ylabel(f"{fig.metric} ({fig.unit})")
-        ax.set_xlabel(" x ".join(fig.cell))
-        positive = sub[fig.metric][sub[fig.metric] > 0]
-        if len(positive) and positive.max() / positive.min() > 20:  # baselines 10-100x apart, as in the paper
-            ax.set_yscale("log")
-            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.grid(axis="y", linewidth=0.3)
+                ok = len(hit) and hit["status"].iloc[0] == "ok" and _ok(hit[fig.metric].iloc[0])
+                ys.append(float(hit[fig.metric].iloc[0]) if ok else math.nan)
+            if all(math.isnan(y) for y in ys):
+                if (e["system"] == s).any():  # a system with no record here was not part of this panel's runs
+                    missing[SYSTEMS.get(s, s)] = len(cells)
+                continue
+            if any(math.isnan(y) for y in ys):
+                missing[SYSTEMS.get(s, s)] = sum(math.isnan(y) for y in ys)
+            # lines join cells of one group only (input 32's outputs, not input 32 to input 64)
+            line_x, line_y = [], []
+            for k, (x, y) in enumerate(zip(xs, ys)):
+                if k and len(fig.cell) > 1 and cells[k][fig.cell[0]] != cells[k - 1][fig.cell[0]]:
+                    line_x.append(math.nan)
+                    line_y.append(math.nan)
+                line_x.append(x)
+                line_y.append(y)
+            ax.plot(line_x, line_y, marker=marker[s], color=color[s], label=SYSTEMS.get(s, s),
+                    linestyle="--" if s.startswith("llama_cpp_original_prefix_") else "-")
+            values += [y for y in ys if not math.isnan(y)]
+            if reported is not None and s in PAPER_NAMES:
+                for x, cell in zip(xs, cells):
+                    v = reported_cell(reported, fig.workload, env, PAPER_NAMES[s], cell, fig.metric)
+                    if v is not None:
+                        ax.plot([x], [v], marker=marker[s], markersize=8, markerfacecolor="none",
+                                markeredgecolor=color[s], markeredgewidth=1.2, linestyle="none")
+                        values.append(v)
+                        any_reported = True
+        figures.set_value_axis(ax, values)
+        if len(fig.cell) > 1:
+            ax.set_xticks(xs)
+            ax.set_xticklabels(ticks)
+            ax.set_xlabel(f"{figures.axis_label(fig.cell[1])}, grouped by {figures.axis_label(fig.cell[0])}")
+            for x, lab in groups:
+                ax.text(x, 1.0, lab, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7)
+        else:
+            figures.set_key_axis(ax, xs)
+            ax.set_xlabel(figures.axis_label(fig.cell[0]))
+        ax.set_ylabel(figures.axis_label(fig.metric))
+        ax.set_title(figures.titled(env, missing, len(cells), _reasons(e)), pad=12 if groups else 4)
     for ax in list(axes.flat)[len(envs):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    f.legend(handles, labels, loc="lower center", ncol=len(systems), fontsize=7, frameon=False)
-    f.suptitle(f"{fig.title}, Mixtral-8x7B ({_label_of(sub).upper()}: from each environment's hardware spec)"
-               if _label_of(sub) == "simulated" else f"{fig.title}, Mixtral-8x7B ({_label_of(sub).upper()})")
-    f.tight_layout(rect=(0, 0.05, 1, 1))
-    f.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(f)
-
-
-def plot_series(rows: pd.DataFrame, x: str, ys: list[str], title: str, xlabel: str, ylabel: str, path: Path,
-                label: str) -> None:
-    """A line plot (ablation sweeps), with the provenance in the title and fixed PNG metadata."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    f, ax = plt.subplots(figsize=(6, 3.4))
-    for y in ys:
-        ax.plot(rows[x], rows[y], marker="o", label=y)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"{title} ({label.upper()})", fontsize=9)
-    ax.grid(linewidth=0.3)
-    ax.legend(fontsize=7)
+    model = figures.model_name(sub["model"]) if "model" in sub else ""
+    f.suptitle(figures.fill(f"{fig.title}{', ' + model if model else ''}", 90) + "\n"
+               + _provenance_caption(sub), fontsize=9)
     f.tight_layout()
-    f.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(f)
+    notes = [MARK_NOTE] + ([REPORTED_NOTE] if any_reported else [])
+    figures.legend_below(f, list(axes.flat), notes, ncol=3, order=[SYSTEMS.get(s, s) for s in systems])
+    return figures.save(f, stem)
+
+
+def _reasons(e: pd.DataFrame) -> dict[str, str]:
+    """Why a system has no value in a panel: its records' status (e.g. skipped), by label."""
+    out = {}
+    for s, g in e[e["status"] != "ok"].groupby("system", sort=False):
+        out[SYSTEMS.get(s, s)] = "/".join(sorted(set(g["status"].astype(str))))
+    return out
+
+
+def parity_points(df: pd.DataFrame, reported: pd.DataFrame | None) -> pd.DataFrame:
+    """Every value the paper reports beside ours: the per-cell values (Fig. 4) and the three summaries (the
+    released Fiddler over the paper's baselines, as the paper ran them)."""
+    rows = []
+    if reported is None:
+        return pd.DataFrame(rows)
+    ours = {v: k for k, v in PAPER_NAMES.items()}
+    for _, r in reported.iterrows():
+        wl = r["workload"]
+        if wl not in FIGURES:
+            continue
+        fig = FIGURES[wl]
+        if r["environment"] == "all":
+            if r["metric"] != fig.paper_summary:
+                continue
+            hit = [h for h in headline(df, reported, 0) if h["workload"] == wl and h["scope"] == "paper_env1 + paper_env2"]
+            value = hit[0]["simulated"] if hit else None
+            rows.append({"kind": "summary", "workload": wl, "environment": "paper_env1 + paper_env2",
+                         "system": FIDDLER, "what": f"{wl}: {hit[0]['summary'] if hit else ''}", "paper": r["value"],
+                         "ours": value})
+            continue
+        if r["metric"] != fig.metric or r["system"] not in ours:
+            continue
+        system = ours[r["system"]]
+        cell = {k: r[col] for k, col in (("input", "input_len"), ("output", "output_len"), ("beam", "beam_width"))
+                if k in fig.cell}
+        hit = _select(df[(df["workload"] == wl) & (df["status"] == "ok")], r["environment"], system, cell)
+        rows.append({"kind": "cell", "workload": wl, "environment": r["environment"], "system": system,
+                     "what": ", ".join(f"{k} {v}" for k, v in cell.items()), "paper": r["value"],
+                     "ours": float(hit[fig.metric].iloc[0]) if len(hit) else None})
+    return pd.DataFrame(rows)
+
+
+def plot_parity(df: pd.DataFrame, reported: pd.DataFrame | None, stem: Path) -> list[Path]:
+    """Ours (simulated) against the paper's reported value for every value it reports: the Fig. 4 cells
+    (tok/s) and the three headline speedups, on log-log axes with y = x and a 10% band."""
+    from runners import figures
+
+    pts = parity_points(df, reported)
+    if pts.empty:
+        return []
+    plt = figures.pyplot()
+    f, axes = plt.subplots(1, 2, figsize=(7.4, 3.5))
+    env_marker = {e: figures.MARKERS[i] for i, e in enumerate(ENVIRONMENTS + ("paper_env1 + paper_env2",))}
+    systems = _order(pts["system"], SYSTEMS)
+    color = dict(zip(systems, figures.colors(len(systems))))
+    for ax, kind, unit in ((axes[0], "cell", "end-to-end throughput (tok/s)"),
+                           (axes[1], "summary", "Fiddler's mean speedup (x)")):
+        p = pts[(pts["kind"] == kind) & pts["ours"].notna()]
+        lost = pts[(pts["kind"] == kind) & pts["ours"].isna()]
+        vals = list(p["paper"]) + list(p["ours"])
+        if not vals:
+            ax.axis("off")
+            continue
+        lo, hi = min(vals) / 1.6, max(vals) * 1.6
+        ax.plot([lo, hi], [lo, hi], color="0.3", linewidth=0.8)
+        ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.85", linewidth=0)
+        for _, r in p.iterrows():
+            label = SYSTEMS.get(r["system"], r["system"]) if kind == "cell" else None
+            ax.plot([r["paper"]], [r["ours"]], marker=env_marker.get(r["environment"], "o"), linestyle="none",
+                    color=color[r["system"]], label=label, markersize=5)
+            if kind == "summary":
+                ax.annotate(r["workload"].replace("_", " "), (r["paper"], r["ours"]), textcoords="offset points",
+                            xytext=(5, -3), fontsize=7)
+        for ax_ in (ax,):
+            ax_.set_xscale("log")
+            ax_.set_yscale("log")
+            for axis in (ax_.xaxis, ax_.yaxis):
+                import matplotlib.ticker as mt
+
+                axis.set_major_locator(mt.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                axis.set_major_formatter(mt.FuncFormatter(lambda v, _: f"{v:g}"))
+                axis.set_minor_formatter(mt.NullFormatter())
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_aspect("equal")
+        ax.set_xlabel(f"the paper's value: {unit}")
+        ax.set_ylabel(f"simulated: {unit}")
+        title = "Fig. 4 cells (input 32, output 256)" if kind == "cell" else "headline speedups, as the paper ran them"
+        ax.set_title(f"{title} ({len(p)} values)")
+        if len(lost):
+            ax.text(0.02, 0.98, "not simulated: " + ", ".join(lost["what"]), transform=ax.transAxes, va="top",
+                    fontsize=6)
+    # environments by marker, in the legend too
+    for e in ("paper_env1", "paper_env2"):
+        axes[0].plot([], [], marker=env_marker[e], color="0.4", linestyle="none", label=e)
+    f.suptitle("Simulated against the paper's reported values (grey band: within 10%)\n"
+               + _provenance_caption(df), fontsize=9)
+    f.tight_layout()
+    figures.legend_below(f, [axes[0]], ["right panel: paper_env1 + paper_env2 together; beam search is over "
+                                        "llama.cpp (2024) at the measured common prefix"], ncol=3)
+    return figures.save(f, stem)
+
+
+def plot_budget(frame: pd.DataFrame, title: str, stem: Path) -> list[Path]:
+    """The budget ablation: tok/s against the GPU budget per environment, the card's real memory marked."""
+    from runners import figures
+
+    ok = frame[frame["status"] == "ok"] if len(frame) else frame
+    if ok.empty:
+        return []
+    plt = figures.pyplot()
+    f, ax = plt.subplots(figsize=(5.2, 3.0))
+    envs = _order(ok["environment"], ENVIRONMENTS)
+    for env, c in zip(envs, figures.colors(len(envs))):
+        e = ok[ok["environment"] == env].sort_values("memory_gb")
+        ax.plot(e["memory_gb"], e["e2e_tok_s"], marker="o", color=c, label=env)
+        cards = [v for v in e.get("card_memory_gb", []) if _ok(v)]
+        if cards:
+            ax.axvline(cards[0], color=c, linestyle=":", linewidth=1)
+            ax.text(cards[0], 0.98, f" {env}'s real {cards[0]:g} GB", transform=ax.get_xaxis_transform(),
+                    ha="left", va="top", fontsize=7, color=c)
+    figures.set_value_axis(ax, ok["e2e_tok_s"])
+    ax.set_xlabel(figures.axis_label("memory_gb"))
+    ax.set_ylabel(figures.axis_label("e2e_tok_s"))
+    if len(envs) > 1:
+        ax.legend()
+    ax.set_title(figures.fill(title, 95) + "\n" + _provenance_caption(ok), fontsize=8)
+    f.tight_layout()
+    return figures.save(f, stem)

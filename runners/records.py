@@ -281,12 +281,13 @@ def ok_records_by_hash(index_path: Path) -> dict[str, dict[str, Any]]:
 
 
 def collect(paths) -> list[dict[str, Any]]:
-    """Records of JSONL files (records.jsonl, the project index) and of directories holding them
-    (every records.jsonl below, in path order); damaged lines are reported and skipped."""
+    """Records of JSONL files (records.jsonl, the project index) and of directories holding them (every
+    records file below, in path order: records.jsonl, and names such as records-2.jsonl or
+    fiddler.records.jsonl as committed under results/measured); damaged lines are reported and skipped."""
     recs: list[dict[str, Any]] = []
     for p in map(Path, paths):
         if p.is_dir():
-            for f in sorted(p.rglob("records.jsonl")):
+            for f in sorted(p.rglob("*records*.jsonl")):
                 recs.extend(read_records(f))
         elif p.is_file():
             recs.extend(read_records(p))

@@ -155,3 +155,42 @@ def machine(df: pd.DataFrame, fmt: str) -> str:
     if fmt == "json":
         return json.dumps(objs, indent=1, sort_keys=False)
     return "\n".join(json.dumps(o, sort_keys=False) for o in objs)
+
+
+def auto_digits(values: Iterable[Any]) -> int | None:
+    """A fixed precision for a column of numbers: three significant digits at the column's median magnitude
+    (21.7 and 22.0, not 21.7 and 22; a ratio as 1.00, not 1), 0 for whole numbers; None when the column holds
+    text."""
+    nums = []
+    for v in values:
+        if not present(v):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "dtype"):
+            return None
+        nums.append(float(v))
+    if not nums:
+        return None
+    if all(v == int(v) for v in nums):
+        return 0
+    nonzero = sorted(abs(v) for v in nums if v)
+    if not nonzero:
+        return 0
+    median = nonzero[len(nonzero) // 2]
+    return max(0, min(4, 2 - math.floor(math.log10(median))))
+
+
+def auto_columns(df: pd.DataFrame, titles: dict[str, str] | None = None) -> list[Col]:
+    """A Col per frame column, each number column at its auto_digits precision."""
+    titles = titles or {}
+    return [Col(k, titles.get(k, k), auto_digits(df[k])) for k in df.columns]
+
+
+def records(rows: Sequence[dict], **kw) -> str:
+    """A table of plain rows (dicts; a key missing in a row is an empty cell): bools as yes / **no**, numbers at
+    auto precision. For reports whose rows are built as dicts (runners/validate_sim.py)."""
+    if not rows:
+        return "(none)"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    df = pd.DataFrame([{k: (("yes" if r.get(k) else "**no**") if isinstance(r.get(k), bool) else r.get(k))
+                        for k in keys} for r in rows], columns=keys, dtype=object)
+    return render(df, auto_columns(df), **kw)

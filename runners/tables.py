@@ -149,6 +149,86 @@ def to_markdown(df: pd.DataFrame) -> str:
     return table_format.render(shown, columns(df), head=[header(df)], reps="reps")
 
 
+# ------------------------------------------------------------------------------------------ selection, pivot
+FILTERS = ("system", "model", "workload", "environment", "mode", "status")
+
+
+def select(recs: Iterable[dict[str, Any]], since: str | None = None, until: str | None = None,
+           **allowed: Iterable[str] | None) -> list[dict[str, Any]]:
+    """The records whose FILTERS fields are among `allowed[field]` (None: any) and whose time lies in
+    [since, until] (ISO dates or times, compared as text: `2026-12-01` covers that whole day as `until`)."""
+    out = []
+    for r in recs:
+        if any(values is not None and str(r.get(k)) not in set(map(str, values)) for k, values in allowed.items()):
+            continue
+        t = str(r.get("time") or "")
+        if since and t[:len(since)] < since:
+            continue
+        if until and t[:len(until)] > until:
+            continue
+        out.append(r)
+    return out
+
+
+def higher_is_better(metric: str) -> bool:
+    """tok/s, requests/s and goodput: higher is better; times (TTFT, TPOT, latency): lower."""
+    return metric.endswith("tok_s") or metric in ("request_throughput", "goodput")
+
+
+def metric_col(metric: str, title: str | None = None) -> Col:
+    for key, name, digits in METRICS + SERVING:
+        if key == metric:
+            return Col(metric, title or name, digits, scale=1000 if name.endswith(" ms") else 1)
+    return Col(metric, title or metric, 3)
+
+
+def pivot(df: pd.DataFrame, key: str = "system", metric: str = "e2e_tok_s",
+          baseline: str | None = None) -> tuple[pd.DataFrame, list[Col]]:
+    """One row per configuration without `key`, one column per value of `key` (a system with a variant is
+    `system [variant]`): the metric where the record is ok, its status where not. With `baseline`, a speedup
+    column per other value over it (tok/s: value / baseline; times: baseline / value). Provenance stays in the
+    row's key, so simulated and measured numbers never share a row."""
+    if key not in KEYS:
+        raise ValueError(f"cannot pivot on {key!r}: one of {', '.join(KEYS)}")
+    if metric not in df.columns:
+        raise ValueError(f"unknown metric {metric!r}")
+    labels = [(f"{r[key]} [{r['variant']}]" if key == "system" and r["variant"] else str(r[key]))
+              for _, r in df.iterrows()]
+    df = df.assign(_col=labels)
+    order = list(dict.fromkeys(labels))
+    if baseline is not None and baseline not in order:
+        raise ValueError(f"baseline {baseline!r} is not among the pivoted {key}s: {', '.join(order)}")
+    rows_key = [k for k in KEYS if k != key and not (key == "system" and k == "variant")]
+    rows = []
+    for cfg, g in df.groupby(rows_key, sort=False, dropna=False):
+        row = dict(zip(rows_key, cfg))
+        for _, r in g.iterrows():
+            row[r["_col"]] = r[metric] if r["status"] == "ok" else r["status"]
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    cols = [Col(k, KEY_TITLES.get(k, k), 0 if k in INT_KEYS else None) for k in rows_key]
+    base = metric_col(metric)
+    cols += [Col(c, c, base.digits, scale=base.scale) for c in order]
+    if baseline is not None:
+        for c in order:
+            if c == baseline:
+                continue
+            out[f"{c} / {baseline}"] = [_speedup(v, b, higher_is_better(metric))
+                                        for v, b in zip(out.get(c, [None] * len(out)), out[baseline])]
+            cols.append(Col(f"{c} / {baseline}", f"{c} / {baseline}", 2, suffix="x"))
+    return out, cols
+
+
+def _speedup(value: Any, base: Any, higher: bool) -> float | None:
+    try:
+        v, b = float(value), float(base)
+    except (TypeError, ValueError):
+        return None  # a status, or missing
+    if not (v > 0 and b > 0):
+        return None
+    return v / b if higher else b / v
+
+
 def save(df: pd.DataFrame, directory: Path) -> None:
     directory = Path(directory)
     atomic_write_text(directory / "table.md", to_markdown(df) + "\n")

@@ -27,6 +27,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+from fiddler.sim.efficiency import cpu_class_of
+from runners import table_format
 from runners.records import PROJECT_ROOT
 
 CONF = PROJECT_ROOT / "conf"
@@ -139,8 +141,13 @@ def check_host_records(folder: Path = MEASURED_SWEEP, systems=("fiddler", "llama
             ex = json.loads(line)
             if ex.get("system") not in systems or ex.get("status") != "ok":
                 continue
-            env, p = ex["config"]["environment"], ex["point"]
+            env, p, host = ex["config"]["environment"], ex["point"], ex.get("host") or {}
+            # the CPU class of the host that measured the record, not of the host checking it now (an AMD host
+            # checking Intel records would take AMD factors)
+            cpu_class = cpu_class_of(host.get("cpu_name") or env["cpu"]["name"], host.get("cpu_isa") or env["cpu"]["isa"],
+                                     host.get("cpu_amx_bf16"))
             (sim,) = simulate(f"system={ex['system']}", f"model={ex['model']}", "environment=local",
+                              f"sim.cpu_class={cpu_class}",
                               f"environment.cpu.mem_bandwidth_gbps={env['cpu']['mem_bandwidth_gbps']}",
                               f"environment.cpu.cores={env['cpu']['cores']}", "environment.gpu.memory_gb=0",
                               f"workload.input_lens=[{p['input_len']}]", f"workload.output_lens=[{p['output_len']}]")
@@ -250,22 +257,7 @@ def check_fig4(systems: dict[str, str] | None = None, extra: dict[str, str] | No
 # ---------------------------------------------------------------- report
 
 def _table(rows: list[dict]) -> str:
-    if not rows:
-        return "(none)\n"
-    keys = list(rows[0])
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-
-    def fmt(v):
-        if isinstance(v, bool):
-            return "yes" if v else "**no**"
-        if isinstance(v, float):
-            return f"{v:.3g}"
-        return "" if v is None else str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return table_format.records(rows) + "\n"
 
 
 def _host_bounds(ok: bool) -> str:

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
 
-from runners import paper  # noqa: E402
+from runners import paper, table_format  # noqa: E402
+from runners.table_format import Col  # noqa: E402
 from runners.records import atomic_write_text, collect  # noqa: E402
 
 REPORTED = ROOT / "results" / "reference" / "paper" / "paper-reported.csv"
@@ -281,7 +282,8 @@ def write_outputs(recs: list[dict], ablation_recs: dict[str, list[dict]], out: P
     for wl, fig in paper.FIGURES.items():
         files[f"{wl}.md"] = paper.figure_markdown(df, fig, reported)
         files[f"{wl}.csv"] = paper.to_csv(paper.figure_long(df, fig, reported))
-        paper.plot_figure(df, fig, out / f"{wl}.png")
+        paper.plot_figure(df, fig, out / wl, reported)
+    paper.plot_parity(df, reported, out / "parity")
     md, cells = paper.speedup_markdown(df, reported)
     files["speedups.md"] = md
     files["speedups.csv"] = paper.to_csv(cells)
@@ -291,9 +293,7 @@ def write_outputs(recs: list[dict], ablation_recs: dict[str, list[dict]], out: P
         files[f"ablation_{ab.name}.md"] = text
         files[f"ablation_{ab.name}.csv"] = paper.to_csv(frame)
         if ab.name == "budget" and len(frame):
-            ok = frame[frame["status"] == "ok"]
-            paper.plot_series(ok, "memory_gb", ["e2e_tok_s"], ab.title, "GPU budget (GB)", "tok/s",
-                              out / "ablation_budget.png", "simulated")
+            paper.plot_budget(frame, ab.title, out / "ablation_budget")
     if "reuse" in ablation_recs:
         files["ablation_reuse.md"], files["ablation_reuse.csv"] = reuse_ablation(ablation_recs["reuse"])
     if beyond_recs:
@@ -327,6 +327,7 @@ def generic_ablation(ab: Ablation, recs: list[dict]) -> tuple[str, pd.DataFrame]
         if ab.name == "budget":  # the simulator states how the budget relates to the card's memory
             budget = (r.get("environment_info") or {}).get("gpu_budget") or {}
             card = budget.get("card_memory_gb")
+            row["card_memory_gb"] = card
             row["budget_vs_card"] = (f"{budget['override']} ({card:g} GB): an override" if budget.get("override")
                                      else f"the card's {card:g} GB or less" if card else "")
         rows.append(row)
@@ -342,21 +343,15 @@ def generic_ablation(ab: Ablation, recs: list[dict]) -> tuple[str, pd.DataFrame]
              "Mixtral-8x7B, input 32, output 256 (the cell of the paper's Fig. 4), greedy.", ""]
     if ab.note:
         lines += [ab.note, ""]
-    cols = ["environment", key, "e2e tok/s", "decode tok/s", "TTFT s", "GPU hit rate", "numbers"]
+    cols = [Col("environment", "environment"), Col(key, key, table_format.auto_digits(frame[key]) if len(frame) else 0)]
     if ab.name == "budget":
-        cols.insert(2, "budget vs the card")
-    lines += ["| " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * (len(cols) - 3) + "---|"]
-    for _, r in frame.iterrows():
-        vals = [r["environment"], str(r[key])]
-        if ab.name == "budget":
-            vals.append(r["budget_vs_card"])
-        if r["status"] != "ok":
-            vals += [r["status"], "", "", ""]
-        else:
-            vals += [paper.fmt(r["e2e_tok_s"]), paper.fmt(r["decode_tok_s"]), paper.fmt(r["ttft_s"], 3),
-                     paper.fmt(r["gpu_hit_rate"], 3)]
-        vals.append(r["provenance"])
-        lines.append("| " + " | ".join(vals) + " |")
+        cols.append(Col("budget_vs_card", "budget vs the card"))
+    shown = frame.assign(**{c: [v if s == "ok" else (s if c == "e2e_tok_s" else None)
+                                for v, s in zip(frame[c], frame["status"])]
+                            for c in ("e2e_tok_s", "decode_tok_s", "ttft_s", "gpu_hit_rate")}) if len(frame) else frame
+    cols += [Col("e2e_tok_s", "e2e tok/s", 2), Col("decode_tok_s", "decode tok/s", 2), Col("ttft_s", "TTFT s", 3),
+             Col("gpu_hit_rate", "GPU hit rate", 3), Col("provenance", "numbers")]
+    lines.append(table_format.render(shown, cols))
     return "\n".join(lines) + "\n", frame
 
 
@@ -394,14 +389,13 @@ def reuse_ablation(recs: list[dict]) -> tuple[str, str]:
              "(the hit rate column is Mixtral-Offloading as its authors' code runs).", ""]
     if len(frame):
         systems = [s for s in paper.SYSTEMS if s in frame.columns]
-        cols = ["reuse", "environment"] + [paper.SYSTEMS[s] for s in systems] + \
-            ["Mixtral-Offloading GPU hit rate", "Fiddler / best baseline", "best baseline"]
-        lines += ["| " + " | ".join(cols) + " |", "|---:|---|" + "---:|" * (len(cols) - 3) + "---|"]
-        for _, r in frame.iterrows():
-            vals = [f"{r['reuse']:g}", r["environment"]] + [paper.fmt(r[s]) for s in systems]
-            vals += [paper.fmt(r.get("mixtral_offloading_gpu_hit_rate"), 3), paper._x(r["speedup_vs_best_baseline"]),
-                     paper.SYSTEMS.get(r["best_baseline"], "") if isinstance(r["best_baseline"], str) else ""]
-            lines.append("| " + " | ".join(vals) + " |")
+        cols = [Col("reuse", "reuse", 2), Col("environment", "environment")]
+        cols += [Col(s, paper.SYSTEMS[s], 2) for s in systems]
+        shown = frame.assign(best_baseline=[paper.SYSTEMS.get(b, "") if isinstance(b, str) else ""
+                                            for b in frame["best_baseline"]])
+        cols += [Col("mixtral_offloading_gpu_hit_rate", "Mixtral-Offloading GPU hit rate", 3),
+                 Col("speedup_vs_best_baseline", "Fiddler / best baseline", 2, "x"), Col("best_baseline", "best baseline")]
+        lines.append(table_format.render(shown, cols))
     return "\n".join(lines) + "\n", paper.to_csv(frame)
 
 
@@ -456,20 +450,17 @@ def beyond_markdown(recs: list[dict]) -> tuple[str, str]:
              "CPU (`dense_cpu_layers`), llama.cpp keeps whole layers there (`-ngl`). Single batch, greedy; "
              "mean over the grid of input 32-256 x output 64-512 (e2e tok/s, the paper's metric) and the cell "
              "of the paper's Fig. 4 (input 32, output 256).", "",
-             "| model | environment | system | weights | cells ok | mean e2e tok/s | Fig. 4 e2e tok/s | "
-             "Fig. 4 decode tok/s | Fig. 4 TTFT s | GPU hit rate | Fiddler / llama.cpp | numbers |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for _, r in table.iterrows():
-        if not r["cells_ok"]:
-            lines.append(f"| {r['model']} | {r['environment']} | {r['system']} | {r['weights']} | 0/{r['cells']} | "
-                         f"{r['reason'][:80]} | | | | | | {r['provenance']} |")
-            continue
-        lines.append(f"| {r['model']} | {r['environment']} | {r['system']} | {r['weights']} | "
-                     f"{r['cells_ok']}/{r['cells']} | {paper.fmt(r['mean_e2e_tok_s'])} | "
-                     f"{paper.fmt(r['fig4_e2e_tok_s'])} | {paper.fmt(r['fig4_decode_tok_s'])} | "
-                     f"{paper.fmt(r['fig4_ttft_s'], 3)} | {paper.fmt(r['gpu_hit_rate'], 3)} | "
-                     f"{paper._x(r['fiddler_over_llama_cpp']) if paper._ok(r['fiddler_over_llama_cpp']) else ''} | "
-                     f"{r['provenance']} |")
+             ]
+    if len(table):
+        shown = table.assign(cells_shown=[f"{a}/{b}" for a, b in zip(table["cells_ok"], table["cells"])],
+                             mean_e2e_tok_s=[v if ok else r[:80] for v, ok, r in
+                                             zip(table["mean_e2e_tok_s"], table["cells_ok"], table["reason"])])
+        cols = [Col("model", "model"), Col("environment", "environment"), Col("system", "system"),
+                Col("weights", "weights"), Col("cells_shown", "cells ok"), Col("mean_e2e_tok_s", "mean e2e tok/s", 2),
+                Col("fig4_e2e_tok_s", "Fig. 4 e2e tok/s", 2), Col("fig4_decode_tok_s", "Fig. 4 decode tok/s", 2),
+                Col("fig4_ttft_s", "Fig. 4 TTFT s", 3), Col("gpu_hit_rate", "GPU hit rate", 3),
+                Col("fiddler_over_llama_cpp", "Fiddler / llama.cpp", 2, "x"), Col("provenance", "numbers")]
+        lines.append(table_format.render(shown, cols))
     return "\n".join(lines) + "\n", paper.to_csv(table)
 
 
@@ -495,10 +486,9 @@ def planner_ablation(df: pd.DataFrame) -> tuple[str, str]:
     lines = ["# Ablation: the paper's planning rule vs the makespan planner (Fiddler)", "", paper.header(df), "",
              "Speedup of the makespan planner over the paper's rule in every cell of the three experiments "
              "(tok/s ratio; TTFT: inverse ratio); same placement, same routing.", "",
-             "| workload | environment | cells | mean | min | max |", "|---|---|---:|---:|---:|---:|"]
-    for _, r in frame.iterrows():
-        lines.append(f"| {r['workload']} | {r['environment']} | {r['cells']} | {r['mean_makespan_over_paper']:.3f}x"
-                     f" | {r['min']:.3f}x | {r['max']:.3f}x |")
+             table_format.render(frame, [Col("workload", "workload"), Col("environment", "environment"),
+                                         Col("cells", "cells", 0), Col("mean_makespan_over_paper", "mean", 3, "x"),
+                                         Col("min", "min", 3, "x"), Col("max", "max", 3, "x")])]
     return "\n".join(lines) + "\n", paper.to_csv(frame)
 
 
@@ -540,6 +530,10 @@ def _bounds(df: pd.DataFrame) -> list[dict]:
     return out
 
 
+HEADLINE_COLS = [Col("workload", "workload"), Col("scope", "scope"), Col("cells", "cells", 0),
+                 Col("summary", "summary"), Col("simulated", "simulated", 2, "x")]
+
+
 def summary_markdown(df: pd.DataFrame, reported) -> str:
     lines = ["# Fiddler paper reproduction (simulated)", "", paper.header(df), "",
              "Summarised the paper's way: the mean over cells of Fiddler's speedup over the best baseline in each "
@@ -550,9 +544,8 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
              "## As the paper ran them", "",
              "Fiddler's released code (`system=fiddler_original`, efeslab/fiddler@227715b) over llama.cpp 2024 "
              "(`llama_cpp_original`, llama_beam_search), Mixtral-Offloading's released code and DeepSpeed "
-             "ZeRO-Inference. Every modelling choice and its source: validation.md (citations).", "",
-             "| workload | scope | cells | summary | simulated | paper | miss |", "|---|---|---:|---|---:|---:|---|"]
-    misses = []
+             "ZeRO-Inference. Every modelling choice and its source: validation.md (citations).", ""]
+    misses, rows = [], []
     for r in paper.headline(df, reported, 0):
         miss = ""
         if paper._ok(r["simulated"]) and r["paper"]:
@@ -564,18 +557,20 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
                     misses.append(r["workload"])
             elif band is None:
                 miss = f"{ratio:.2f}x the paper's"
-        lines.append(f"| {r['workload']} | {r['scope']} | {r['cells']} | {r['summary']} | {paper._x(r['simulated'])} | "
-                     f"{paper._x(r['paper'])} | {miss} |")
-    lines += ["", "The paper's machines (paper_env1, paper_env2) are the scope of the comparison; the consumer cards "
+        rows.append({**r, "miss": miss})
+    lines += [table_format.render(pd.DataFrame(rows), HEADLINE_COLS + [Col("paper", "paper", 2, "x", lift=False),
+                                                                       Col("miss", "miss", lift=False)], lift=False),
+              "", "The paper's machines (paper_env1, paper_env2) are the scope of the comparison; the consumer cards "
               "have no measured PyTorch factors for their CPU classes, so the released Fiddler is `skipped` there.", ""]
     bounds = [b for b in _bounds(df) if b["cells"]]  # none without beam records of both original rows
     if bounds:
         lines += ["Beam search (paper_env1 + paper_env2): Fiddler (original) over llama.cpp 2024 at the beams' "
-                  "common prefix measured in this project's engine and at its two bounds:", "",
-                  "| llama.cpp's common prefix | cells | Fiddler / llama.cpp | paper |", "|---|---:|---:|---:|"]
+                  "common prefix measured in this project's engine and at its two bounds:", ""]
         paper_beam = paper.reported_summary(reported, "beam") if reported is not None else None
-        for b in bounds:
-            lines.append(f"| {b['prefix']} | {b['cells']} | {paper._x(b['speedup'])} | {paper._x(paper_beam)} |")
+        lines.append(table_format.render(pd.DataFrame(bounds).assign(paper=paper_beam),
+                                         [Col("prefix", "llama.cpp's common prefix"), Col("cells", "cells", 0),
+                                          Col("speedup", "Fiddler / llama.cpp", 2, "x"),
+                                          Col("paper", "paper", 2, "x")], lift=False))
         vals = [b["speedup"] for b in bounds if paper._ok(b["speedup"])]
         if vals and paper_beam:
             inside = min(vals) <= paper_beam <= max(vals)
@@ -589,14 +584,12 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
               "runs the paper's rule on this engine and today's llama.cpp, and holds.", ""]
     lines += ["## Today", "", "This project's Fiddler (makespan planner; and the paper's rule in this engine) over "
               "today's baselines: llama.cpp (beams as parallel sequences; -ngl and --n-cpu-moe), this project's "
-              "Mixtral-Offloading with prefetch and DeepSpeed ZeRO-Inference. None of these rows is in the paper.", "",
-              "| Fiddler | workload | scope | cells | summary | simulated |", "|---|---|---|---:|---|---:|"]
-    for part in (1, 2):
-        for r in paper.headline(df, reported, part):
-            lines.append(f"| {paper.SYSTEMS[paper.PARTS[part][1]]} | {r['workload']} | {r['scope']} | {r['cells']} | "
-                         f"{r['summary']} | {paper._x(r['simulated'])} |")
-    lines += ["", "Files: `single_batch.*`, `long_prefill.*`, `beam.*` (the figures: Markdown, CSV, PNG), "
-              "`speedups.*` (per cell and summaries), `planner.*` and `ablation_*.*` (ablations), "
+              "Mixtral-Offloading with prefetch and DeepSpeed ZeRO-Inference. None of these rows is in the paper.", ""]
+    today = [{"fiddler": paper.SYSTEMS[paper.PARTS[part][1]], **r} for part in (1, 2)
+             for r in paper.headline(df, reported, part)]
+    lines += [table_format.render(pd.DataFrame(today), [Col("fiddler", "Fiddler")] + HEADLINE_COLS, lift=False)]
+    lines += ["", "Files: `single_batch.*`, `long_prefill.*`, `beam.*` (the figures: Markdown, CSV, and the plot as PNG, PDF and SVG), "
+              "`parity.*` (simulated against every value the paper reports), `speedups.*` (per cell and summaries), `planner.*` and `ablation_*.*` (ablations), "
               "`beyond_the_paper.*` (Qwen3-30B-A3B, DeepSeek-V3 and Q4_0 experts on the consumer cards), "
               "`validation.md` (the simulator against measurements and the paper; the citations of every "
               "`*_original` parameter). Written by `python scripts/reproduce_paper.py`; do not edit by hand.", ""]

@@ -81,8 +81,11 @@ def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):
                                      for r in fiddler)
     table = (tmp_path / "s" / "table.md").read_text()
     assert table.startswith("Numbers: SIMULATED:")
-    rows = [line for line in table.splitlines() if line.startswith("| fiddler") or line.startswith("| llama_cpp")]
-    assert len(rows) == 8 and all("| simulated " in line for line in rows)
+    from tests import md_table
+
+    rows = md_table.dicts(table)
+    assert len(rows) == 8 and {r["system"] for r in rows} == {"fiddler", "llama_cpp"}
+    assert all(r["numbers"] == "simulated" for r in rows)
 
 
 def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(tmp_path):
@@ -103,9 +106,13 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
     assert {"single_batch.md", "single_batch.csv", "long_prefill.md", "beam.md", "speedups.md", "speedups.csv",
             "planner.md", "summary.md"} <= set(files)
     summary = files["summary.md"]
-    assert "| beam | all four | 1 | over llama.cpp (2024, llama_beam_search) | 10.00x | 11.57x |" in summary  # 5.0 / 0.5
-    assert "| prefix measured on the benchmark model (engine's beam search) | 1 | 10.00x | 11.57x |" in summary
-    assert "| beam | all four | 1 | over llama.cpp (today) † | 2.00x |" in summary  # 4.0 / 2.0, a row the paper lacked
+    from tests import md_table
+
+    assert md_table.has_row(summary, "beam", "all four", "1", "over llama.cpp (2024, llama_beam_search)", "10.00x",
+                            "11.57x")  # 5.0 / 0.5
+    assert md_table.has_row(summary, "prefix measured on the benchmark model (engine's beam search)", "1", "10.00x",
+                            "11.57x")
+    assert md_table.has_row(summary, "beam", "all four", "1", "over llama.cpp (today) †", "2.00x")  # 4.0 / 2.0
     assert not any(str(tmp_path) in text or "2026" in text for text in files.values())  # no paths or dates
     out = tmp_path / "out"
     out.mkdir()
@@ -135,11 +142,14 @@ def test_beyond_the_paper_rows_pair_each_model_card_and_weight_type():
             r("fiddler", "m", "q4_0", 32, 256, 9.0), r("llama_cpp", "m", "q4_0", 32, 256, 3.0),
             r("llama_cpp", "big", "bf16", 32, 256, None, status="skipped")]
     text, csv = _reproduce().beyond_markdown(recs)
-    lines = {tuple(c.strip() for c in line.split("|")[1:5]): line for line in text.splitlines() if line.startswith("| ")}
-    assert "| 2/2 | 3.00 | 4.00 |" in lines[("m", "rtx3060", "fiddler", "bf16")]
-    assert "| 2.00x |" in lines[("m", "rtx3060", "fiddler", "bf16")]  # mean 3.0 over llama.cpp's mean 1.5
-    assert "| 3.00x |" in lines[("m", "rtx3060", "fiddler", "q4_0")]  # paired with llama.cpp at q4_0, not bf16
-    assert "0/1" in lines[("big", "rtx3060", "llama_cpp", "bf16")] and "does not fit" in text
+    from tests import md_table
+
+    rows = {(r["model"], r["environment"], r["system"], r["weights"]): r for r in md_table.dicts(text)}
+    bf16 = rows[("m", "rtx3060", "fiddler", "bf16")]
+    assert (bf16["cells ok"], bf16["mean e2e tok/s"], bf16["Fig. 4 e2e tok/s"]) == ("2/2", "3.00", "4.00")
+    assert bf16["Fiddler / llama.cpp"] == "2.00x"  # mean 3.0 over llama.cpp's mean 1.5
+    assert rows[("m", "rtx3060", "fiddler", "q4_0")]["Fiddler / llama.cpp"] == "3.00x"  # paired at q4_0, not bf16
+    assert rows[("big", "rtx3060", "llama_cpp", "bf16")]["cells ok"] == "0/1" and "does not fit" in text
     assert text.startswith("# Beyond the paper") and "SIMULATED" in text and csv.count("\n") == 1 + 5  # header + one row per group
 
 

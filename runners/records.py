@@ -130,26 +130,33 @@ def read_jsonl(path: Path, *, strict: bool = False,
                check: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
     """JSON objects of a JSONL file. A damaged line (any bytes: not UTF-8, not JSON, not an object,
     or rejected by `check`) is reported (warning naming file and line) and skipped."""
-    out: list[dict[str, Any]] = []
     if not path.exists():
-        return out
+        return []
     with open(path, "rb") as f:  # bytes: one bad byte must cost one line, not the file
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line.decode("utf-8"))
-                problem = "not a JSON object" if not isinstance(rec, dict) else check(rec) if check else None
-                if problem:
-                    raise ValueError(problem)
-            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-                msg = f"{path}:{lineno}: damaged record line skipped ({str(exc)[:200]})"
-                if strict:
-                    raise ValueError(msg) from exc
-                warnings.warn(msg, stacklevel=2)
-                print(f"warning: {msg}", file=sys.stderr)
-                continue
-            out.append(rec)
+        return parse_jsonl(f, str(path), strict=strict, check=check)
+
+
+def parse_jsonl(lines: Iterable[bytes], name: str, *, strict: bool = False,
+                check: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
+    """`read_jsonl` of lines that are not a file (e.g. `git show REV:path`); `name` is what a damaged
+    line's report calls them."""
+    out: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            problem = "not a JSON object" if not isinstance(rec, dict) else check(rec) if check else None
+            if problem:
+                raise ValueError(problem)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            msg = f"{name}:{lineno}: damaged record line skipped ({str(exc)[:200]})"
+            if strict:
+                raise ValueError(msg) from exc
+            warnings.warn(msg, stacklevel=3)
+            print(f"warning: {msg}", file=sys.stderr)
+            continue
+        out.append(rec)
     return out
 
 

@@ -89,7 +89,11 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
 
 def build(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
     """The latest record per configuration, sorted for reading."""
-    df = frame(recs)
+    return latest(frame(recs))
+
+
+def latest(df: pd.DataFrame) -> pd.DataFrame:
+    """`build` of a `frame` (which may carry columns of its own): the latest row per configuration (KEYS)."""
     if df.empty:
         return df
     df = df.sort_values("time", kind="stable").drop_duplicates(KEYS, keep="last")

@@ -178,13 +178,11 @@ SWEEP_KEYS = ("system", "variant", "model", "workload", "environment", "provenan
               "beam", "streams")
 
 
-def sweep(df, x: str, y: str, by: Sequence[str] = ("system",), stem: Path | None = None, title: str | None = None,
-          formats: Sequence[str] = FORMATS) -> list[Path]:
-    """One line per `by` value (y over x) from a table frame (runners/tables.build), ok rows only. Keys that
-    vary besides x and `by` make one panel per combination, so no line mixes two configurations; provenance
-    always separates lines (simulated and measured numbers are never joined). Returns the files written."""
-    import pandas as pd
-
+def sweep_series(df, x: str, y: str, by: Sequence[str] = ("system",)) -> tuple[list[str], dict]:
+    """What `sweep` draws: (the keys that make panels, {panel key: {line label: [(x, y), ...]}}) from a table
+    frame (runners/tables.build), ok rows only, points sorted by x. Keys that vary besides x and `by` make one
+    panel per combination, so no line mixes two configurations; provenance always separates lines (simulated
+    and measured numbers are never joined). A missing point is absent, never zero."""
     x = KEY_ALIASES.get(x, x)
     by = [KEY_ALIASES.get(b, b) for b in by]
     for name in [x, y, *by]:
@@ -196,30 +194,46 @@ def sweep(df, x: str, y: str, by: Sequence[str] = ("system",), stem: Path | None
     series_keys = list(dict.fromkeys([*by, "provenance"]))
     varying = [k for k in SWEEP_KEYS if k in ok.columns and k != x and k not in series_keys
                and ok[k].astype(str).nunique() > 1]
-    panels = [((), ok)] if not varying else list(ok.groupby(varying, sort=True, dropna=False))
+    panels: dict = {}
+    for _, r in ok.sort_values(x, kind="stable").iterrows():
+        pkey = tuple(r[k] for k in varying)
+        panels.setdefault(pkey, {}).setdefault(_series_label(r, series_keys, ok), []).append((r[x], float(r[y])))
+    return varying, dict(sorted(panels.items(), key=lambda kv: tuple(map(str, kv[0]))))
+
+
+def sweep(df, x: str, y: str, by: Sequence[str] = ("system",), stem: Path | None = None, title: str | None = None,
+          formats: Sequence[str] = FORMATS) -> list[Path]:
+    """`sweep_series` drawn: one panel per combination of the other varying keys, one line per series, the
+    provenance (and the CPU of measured rows) in the title. Returns the files written."""
+    import pandas as pd
+
+    varying, panels = sweep_series(df, x, y, by)
+    x = KEY_ALIASES.get(x, x)
+    ok = df[(df["status"] == "ok") & df[x].notna() & df[y].notna()]
     plt = pyplot()
     ncols = min(2, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.9 * nrows), squeeze=False)
-    labels = sorted({_series_label(r, series_keys, ok) for _, r in ok.iterrows()})
+    labels = sorted({lab for lines in panels.values() for lab in lines})
     color = dict(zip(labels, colors(len(labels))))
     mark = {lab: MARKERS[i % len(MARKERS)] for i, lab in enumerate(labels)}
     numeric_x = pd.api.types.is_numeric_dtype(ok[x])
-    for ax, (pkey, p) in zip(axes.flat, panels):
+    for ax, (pkey, lines) in zip(axes.flat, panels.items()):
+        xs_all, ys_all = [], []
         for lab in labels:
-            s = p[[_series_label(r, series_keys, ok) == lab for _, r in p.iterrows()]]
-            if s.empty:
+            if lab not in lines:
                 continue
-            s = s.sort_values(x)
-            ax.plot(list(s[x]) if numeric_x else list(map(str, s[x])), list(s[y]), marker=mark[lab],
-                    color=color[lab], label=lab)
-        set_value_axis(ax, p[y])
+            xs, ys = zip(*lines[lab])
+            ax.plot(list(xs) if numeric_x else list(map(str, xs)), list(ys), marker=mark[lab], color=color[lab],
+                    label=lab)
+            xs_all += list(xs)
+            ys_all += list(ys)
+        set_value_axis(ax, ys_all)
         if numeric_x:
-            set_key_axis(ax, list(p[x]))
+            set_key_axis(ax, xs_all)
         ax.set_xlabel(axis_label(x))
         ax.set_ylabel(axis_label(y))
         if varying:
-            pkey = pkey if isinstance(pkey, tuple) else (pkey,)
             ax.set_title(", ".join(f"{k} {v}" for k, v in zip(varying, pkey)))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -231,7 +245,10 @@ def sweep(df, x: str, y: str, by: Sequence[str] = ("system",), stem: Path | None
                  + f"\n{caption}", fontsize=9)
     fig.tight_layout()
     legend_below(fig, list(axes.flat), ncol=min(3, len(labels)))
-    return save(fig, stem, formats) if stem is not None else []
+    if stem is None:
+        plt.close(fig)
+        return []
+    return save(fig, stem, formats)
 
 
 def _series_label(row, keys: Sequence[str], df) -> str:

@@ -33,6 +33,18 @@ _NOT_VARIANT = ("run.", "cache_dir", "workload.input_lens", "workload.output_len
                 "workload.concurrency", "system.adapter", "system.name", "model.path", "serve.")
 
 
+# what environment=local measures or reads at start (conf/environment/local.yaml): it differs from run to run
+# of the same configuration (a bandwidth probe's reading), so it is not a variant there; on a described
+# environment the same keys are the spec, and an override of one is a variant
+_DETECTED = ("environment.cpu.mem_bandwidth_gbps", "environment.gpu.mem_bandwidth_gbps", "environment.pcie.",
+             "environment.host_memory_gb", "environment.source")
+
+
+def _detected(rec: dict[str, Any]) -> bool:
+    env = (rec.get("config") or {}).get("environment") or {}
+    return env.get("described") is False
+
+
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix[:-1]: json.dumps(d) if isinstance(d, list) else d}
@@ -45,8 +57,8 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 def variants(recs: list[dict[str, Any]]) -> list[str]:
     """Per record, the config overrides that distinguish it from other records of the same
     system/model/workload/environment (e.g. `planner=paper` in a planner sweep); '' when none."""
-    flats = [{k: v for k, v in _flat(r.get("config") or {}).items() if not k.startswith(_NOT_VARIANT)}
-             for r in recs]
+    flats = [{k: v for k, v in _flat(r.get("config") or {}).items()
+              if not k.startswith(_NOT_VARIANT) and not (_detected(r) and k.startswith(_DETECTED))} for r in recs]
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(recs):
         groups.setdefault(tuple(r.get(k) for k in ("system", "model", "workload", "environment")), []).append(i)

@@ -79,7 +79,7 @@ def cell(row: dict, col: Col, reps_key: str | None) -> str:
         return " ".join(str(value).split()) if present(value) else ""
     text = number(value, col.digits, col.suffix, col.scale)
     if col.sd and text and _reps(row, reps_key) > 1 and present(row.get(col.sd)):
-        text += f" ± {number(row.get(col.sd), col.digits, '', col.scale)}"
+        text += f" ± {float(row.get(col.sd)) * col.scale:.{col.digits}f}"  # the mean's precision, always
     return text
 
 

@@ -11,7 +11,7 @@ a configuration that is one on one side and another on the other is a `refused` 
 configuration on either side a row gives A's and B's value of the metric, the speedup (B/A for tok/s,
 higher is better; A/B for seconds, lower is better: > 1 always means B is faster) and a flag.
 
-The flag is the project's one noise rule, `verdict` of scripts/ab.py, on the per-repetition readings of
+The flag is the project's one noise rule, `verdict` (runners/noise.py, as scripts/ab.py uses it), on the per-repetition readings of
 the two records (derived from `raw` exactly as runners/measure.py computes the metrics; a derivation
 whose mean is not the record's metric is not used). `verdict` wants readings paired by round; the
 repetitions of two records were not measured side by side, so repetition i of A is paired with
@@ -40,7 +40,8 @@ import pandas as pd
 from runners import tables
 from runners.records import collect, parse_jsonl, record_problem
 from runners.table_format import Col, present, render
-from scripts.ab import resolve_rev, verdict
+from runners.noise import verdict
+from runners.records import resolve_rev
 
 DEFAULT_GIT_PATH = "results"
 METRICS = {key: (title, digits) for key, title, digits in tables.METRICS}

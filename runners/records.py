@@ -66,6 +66,15 @@ def code_version() -> dict[str, Any]:
             return {"version": "unknown", "commit": None, "dirty": None}
 
 
+def resolve_rev(rev: str, repo: Path = PROJECT_ROOT) -> str:
+    """REV's full commit id; ValueError with git's words when it names no commit."""
+    r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                       capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise ValueError(f"{rev!r} is not a commit of {repo}" + (f" ({r.stderr.strip()})" if r.stderr.strip() else ""))
+    return r.stdout.strip()
+
+
 def library_versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version as pkg_version
 

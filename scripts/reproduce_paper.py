@@ -284,6 +284,7 @@ def write_outputs(recs: list[dict], ablation_recs: dict[str, list[dict]], out: P
         files[f"{wl}.csv"] = paper.to_csv(paper.figure_long(df, fig, reported))
         paper.plot_figure(df, fig, out / wl, reported)
     paper.plot_parity(df, reported, out / "parity")
+    files["parity.csv"] = paper.to_csv(paper.parity_points(df, reported))
     md, cells = paper.speedup_markdown(df, reported)
     files["speedups.md"] = md
     files["speedups.csv"] = paper.to_csv(cells)
@@ -589,7 +590,7 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
              for r in paper.headline(df, reported, part)]
     lines += [table_format.render(pd.DataFrame(today), [Col("fiddler", "Fiddler")] + HEADLINE_COLS, lift=False)]
     lines += ["", "Files: `single_batch.*`, `long_prefill.*`, `beam.*` (the figures: Markdown, CSV, and the plot as PNG, PDF and SVG), "
-              "`parity.*` (simulated against every value the paper reports), `speedups.*` (per cell and summaries), `planner.*` and `ablation_*.*` (ablations), "
+              "`parity.*` (simulated against every value the paper reports: the plot, and its points as CSV), `speedups.*` (per cell and summaries), `planner.*` and `ablation_*.*` (ablations), "
               "`beyond_the_paper.*` (Qwen3-30B-A3B, DeepSeek-V3 and Q4_0 experts on the consumer cards), "
               "`validation.md` (the simulator against measurements and the paper; the citations of every "
               "`*_original` parameter). Written by `python scripts/reproduce_paper.py`; do not edit by hand.", ""]

@@ -100,11 +100,13 @@ def test_outputs_are_a_function_of_the_records_and_publish_removes_stale_files(t
         stage = tmp_path / name
         stage.mkdir()
         files = mod.write_outputs(list(recs if name == "a" else reversed(recs)), {}, stage)
-        outs.append((files, {p.name: p.read_bytes() for p in stage.glob("*.png")}))
+        outs.append((files, {p.name: p.read_bytes() for p in stage.iterdir() if p.suffix in (".png", ".pdf", ".svg")}))
     assert outs[0] == outs[1]
+    assert {"single_batch.png", "single_batch.pdf", "single_batch.svg", "parity.png"} <= set(outs[0][1])
     files = outs[0][0]
     assert {"single_batch.md", "single_batch.csv", "long_prefill.md", "beam.md", "speedups.md", "speedups.csv",
-            "planner.md", "summary.md"} <= set(files)
+            "planner.md", "summary.md", "parity.csv"} <= set(files)
+    assert files["parity.csv"].splitlines()[0] == "kind,workload,environment,system,what,paper,ours"
     summary = files["summary.md"]
     from tests import md_table
 

@@ -123,15 +123,6 @@ def _ok(value: Any) -> bool:
     return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
-def fmt(value: Any, digits: int = 2) -> str:
-    if not _ok(value):
-        return ""
-    v = float(value)
-    if v != 0 and abs(v) < 10 ** -digits:
-        return f"{v:.{digits}g}"
-    return f"{v:.{digits}f}"
-
-
 def header(df: pd.DataFrame) -> str:
     """The provenance line every table starts with."""
     labels = [lab for lab in provenance.LABELS if lab in set(df["provenance"])] if not df.empty else []
@@ -349,10 +340,6 @@ def headline(df: pd.DataFrame, reported: pd.DataFrame | None, part: int = 0) -> 
                              "simulated": r.get(key), "paper": reported_summary(reported, wl)
                              if reported is not None else None})
     return rows
-
-
-def _x(v) -> str:
-    return f"{v:.2f}x" if _ok(v) else ""
 
 
 # ------------------------------------------------------------------------------------------ helpers

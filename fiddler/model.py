@@ -25,17 +25,6 @@ from .config import MoEConfig
 from .executors.contract import ExpertExecutor
 from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
 from .threads import torch_threads
-
-
-def fastpath_exact_by_default() -> bool:
-    """Whether the fused decode path is on by default here: the AVX-512 kernel path, where it reproduces the
-    torch path's logits exactly (tests/test_decode_fastpath.py)."""
-    from . import kernels
-
-    try:
-        return kernels.isa() == "avx512_bf16"
-    except Exception:  # no kernel library: the fast path is unavailable anyway
-        return False
 from .weights import ExpertWeights, ModelWeights
 
 
@@ -336,8 +325,7 @@ class MoETransformer:
     family has them, run in torch on the projection's output first). RMSNorm, rope and the cache
     contents are bit-exact with the torch path; attention agrees within one bf16 ulp of each head's output
     magnitude (summation order and exp differ from torch's flash-attention kernel). `decode_fastpath`:
-    None = use it where available and exact (the AVX-512 kernel path: `fastpath_exact_by_default`), False =
-    always the torch ops (reference), True = require it. The
+    None = use it where available, False = always the torch ops (reference), True = require it. The
     attribute of the same name can be switched between forward calls (only to False, or back on if it
     was available).
 
@@ -411,11 +399,7 @@ class MoETransformer:
         self._decode_ops, why = self._make_decode_ops(use_kernel)
         if decode_fastpath and self._decode_ops is None:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
-        # on by default only where it gives torch's logits bit for bit: on the AVX2 and generic paths its
-        # attention's one-ulp differences from torch's reach the logits (0.5% of their scale on a Zen 3, enough
-        # to flip a router's choice), so there it is used only when asked for
-        self.decode_fastpath = self._decode_ops is not None and (
-            decode_fastpath is True or (decode_fastpath is None and fastpath_exact_by_default()))
+        self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
         # Distinct experts used per layer in decode steps with several rows (beams share experts), for
         # the decode bound; with one row it is top_k (+ shared slots) and is not counted.
         self.multi_row_expert_loads = 0

@@ -8,7 +8,6 @@ ordering and formatting, so the same records give byte-identical files.
 """
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,10 +364,9 @@ def _select(df: pd.DataFrame, env: str, system: str, cell: dict[str, int]) -> pd
 
 
 def to_csv(df: pd.DataFrame) -> str:
-    """CSV with a fixed float format (the same bytes for the same numbers)."""
-    buf = io.StringIO()
-    df.to_csv(buf, index=False, float_format="%.6g", lineterminator="\n")
-    return buf.getvalue()
+    """CSV with a fixed float format (the same bytes for the same numbers): table_format's, with a final
+    newline."""
+    return table_format.machine(df, "csv") + "\n"
 
 
 # ------------------------------------------------------------------------------------------ figures

@@ -266,7 +266,6 @@ def test_quantized_matmuls_get_fp32_activations_like_llama_cpp(tmp_path):
     ids = prompt(12, 512)
     full = e.forward_logits(ids)
     m.forward(ids[None, :-1], 0)
-    m.decode_fastpath = True  # asked for (on by default only on the AVX-512 path)
     step = m.forward(ids[None, -1:], 11).clone()  # the fused decode step
     assert m.decode_fastpath and set(seen) == {torch.float32}
     assert ((step[0] - full[-1]).norm() / full[-1].norm()).item() < 2e-2

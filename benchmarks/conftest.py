@@ -70,3 +70,25 @@ def interleaved(benchmark, sides: dict[str, Callable[[int], float | None]], roun
 
     benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=warmup, iterations=1)
     return best
+
+
+def python_yardstick() -> float:
+    """A fixed pure-Python workload (never change it: every planner ratio is in its units), shaped like
+    a planner's work: a brute force over the 2^8 splits of 8 float costs, with calls, tuples, list
+    indexing and max/sum on floats. Returns a checksum so that nothing is optimised away."""
+    costs = [0.5 + 0.125 * i for i in range(8)]
+    copy = [0.25 + 0.0625 * i for i in range(8)]
+
+    def queue(gpu0: float, items: tuple) -> float:
+        done, g, c = [0.0] * len(items), gpu0, 0.0
+        for i, t in enumerate(items):
+            c = max(c, done[i - 2] if i >= 2 else 0.0) + 0.3
+            g = done[i] = max(g, c) + t
+        return g
+
+    best = float("inf")
+    for mask in range(1 << 8):
+        cpu = sum(costs[e] for e in range(8) if mask >> e & 1)
+        gpu = queue(0.1, tuple(copy[e] for e in range(8) if not mask >> e & 1))
+        best = min(best, max(cpu, gpu))
+    return best

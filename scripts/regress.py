@@ -6,11 +6,12 @@ Ratios, never absolute times: each ratio's two sides are measured interleaved in
 each side keeps its best time (see benchmarks/conftest.py), so a busy shared machine moves both sides
 alike. Floors are chosen by the host CPU's flags (not by a forced kernel path): one set for x86 CPUs
 with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its floor; a "lower" one
-(the planner's share of a layer's time) at or below its ceiling.
+(the planner's time in units of a fixed Python workload) at or below its ceiling.
 
     python scripts/regress.py --quick          # CI: tiny model + one Mixtral-size expert (a few minutes)
     python scripts/regress.py                  # small_mixtral, more rounds
     python scripts/regress.py --quick --update # record this run's readings; raise floors they support
+    python scripts/regress.py --quick --update -k planner  # only the selected ratios (a new benchmark's first floors)
     python scripts/regress.py --lower kernel_vs_limit_t1=0.7 --reason "why" [--quick]
     python scripts/regress.py --quick --measure kernel_vs_limit_t1 --node 'benchmarks/test_kernel_ratios.py::test_kernel[1]' \
         [--root TREE]                          # one JSON line of the ratios read, judged by nothing (scripts/ab.py)
@@ -18,7 +19,8 @@ with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its fl
 --update keeps the last readings of every ratio, per CPU, in the file and raises a floor only to what
 the last UPDATE_WINDOW readings of every CPU with readings all support, less the margin (the file's,
 or the ratio's own): never to the latest reading alone, never down. Lowering a floor needs --lower with
-a --reason, which is stored next to the floor.
+a --reason, which is stored next to the floor. --update with -k records only the ratios read and never
+moves the reference build (a partial run cannot vouch for the floors it did not read).
 A ratio measured on another kernel path than its recorded readings on this CPU ran (a fallback, which
 a floor sized for noise may not tell apart) fails at once, whatever its value.
 A ratio that crosses its floor is measured again (its benchmark alone, with twice the rounds), up to
@@ -218,7 +220,7 @@ def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
     print("\nconfirmation (a ratio fails only if every reading crosses its floor):")
     for r in out.values():
         if "readings" in r:
-            print(f"  {r['name']:<40} floor {r['floor']:.4g}  readings {', '.join(f'{v:.4g}' for v in r['readings'])}"
+            print(f"  {r['name']:<46} floor {r['floor']:.4g}  readings {', '.join(f'{v:.4g}' for v in r['readings'])}"
                   f"  -> {r['status']}")
     return list(out.values())
 
@@ -279,7 +281,7 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
             r = {**r, "status": "FAIL" if worse else "pass",
                  "side_by_side": {"reference": commit, "this": ours[r["name"]], "ref": theirs[r["name"]],
                                   "rel": v["median_ratio"], "verdict": v["verdict"], "why": v["why"]}}
-            print(f"  {r['name']:<40} this {', '.join(f'{x:.4g}' for x in ours[r['name']])}; reference "
+            print(f"  {r['name']:<46} this {', '.join(f'{x:.4g}' for x in ours[r['name']])}; reference "
                   f"{', '.join(f'{x:.4g}' for x in theirs[r['name']])}  this/reference {v['median_ratio']:.3f} "
                   f"(median of rounds): {v['verdict']}, {v['why']}  -> "
                   + ("FAIL" if worse else "pass: the machine read low, not this build"))
@@ -289,16 +291,16 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
 
 def print_table(rows: list[dict], skipped: list[dict], cls: str) -> None:
     print(f"\nregression ratios on {cpu_name()} (floors: {cls}; each ratio's sides interleaved, best of the rounds)")
-    head = f"{'ratio':<40} {'floor':>9} {'measured':>9} {'':>2} {'status':<8} what"
+    head = f"{'ratio':<46} {'floor':>9} {'measured':>9} {'':>2} {'status':<8} what"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         f = "-" if r["floor"] is None else f"{r['floor']:.4g}"
         sign = ">=" if r["direction"] == "higher" else "<="
         extra = f" [{r['path']}]" if r.get("path") else ""
-        print(f"{r['name']:<40} {f:>9} {r['value']:>9.4g} {sign:>2} {r['status']:<8} {r['what']}{extra}")
+        print(f"{r['name']:<46} {f:>9} {r['value']:>9.4g} {sign:>2} {r['status']:<8} {r['what']}{extra}")
     for s in skipped:
         for name in s["ratios"]:
-            print(f"{name:<40} {'':>9} {'':>9} {'':>2} {'skipped':<8} {s['reason']}")
+            print(f"{name:<46} {'':>9} {'':>9} {'':>2} {'skipped':<8} {s['reason']}")
 
 
 def floors_of(data: dict, cls: str, mode: str, create: bool = False) -> dict:
@@ -419,7 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--update", action="store_true", help="record the readings and raise the floors they support")
     ap.add_argument("--lower", metavar="NAME=VALUE", help="lower one floor (needs --reason); runs nothing")
     ap.add_argument("--reason", help="why a floor is lowered (stored in the file)")
-    ap.add_argument("-k", dest="select", help="only the benchmarks pytest -k selects (never with --update)")
+    ap.add_argument("-k", dest="select", help="only the benchmarks pytest -k selects (with --update: records only "
+                                              "their ratios and leaves the reference build as it is)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--measure", metavar="NAME[,NAME...]",
                     help="measure only, judge nothing: print one JSON line {ratio: value, ...} of every ratio read "
@@ -445,8 +448,6 @@ def main(argv=None) -> int:
         print(lower(floors_of(data, cls, mode), args.lower, args.reason.strip()))
         save_floors(data)
         return 0
-    if args.update and args.select:
-        ap.error("--update records a whole run; do not combine it with -k")
     since = cpu_times()
     ratios, skipped, rc = run_suite(args.quick, args.select)
     state = machine_state(since)
@@ -463,7 +464,8 @@ def main(argv=None) -> int:
     if args.update:
         for c in update(data, floors_of(data, cls, mode, create=True), ratios) or ["no floor changed"]:
             print("update:", c)
-        print("update:", set_reference(data, [r["name"] for r in rows if r["status"] == "FAIL"]))
+        print("update:", "reference build unchanged (-k: a partial run)" if args.select
+              else set_reference(data, [r["name"] for r in rows if r["status"] == "FAIL"]))
         save_floors(data)
         return 0
     if not args.update and any(r["status"] == "FAIL" and not r.get("path_changed") for r in rows):

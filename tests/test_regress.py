@@ -151,6 +151,18 @@ def test_update_makes_its_commit_the_reference_build_only_from_a_clean_tree(regr
     assert yaml.safe_load(regress.FLOORS.read_text())["reference"]["commit"] == ref["commit"]
 
 
+def test_update_of_a_selection_records_its_readings_but_never_moves_the_reference(regress, capsys):
+    """--update -k seeds a new benchmark's floors; a partial run cannot vouch for the floors it did not
+    read, so even a clean tree does not become the reference build."""
+    regress.readings["git"]["status"] = ""
+    for _ in range(3):
+        assert regress.main(["--quick", "--update", "-k", "p_down", "--class", "avx512"]) == 0
+    data = yaml.safe_load(regress.FLOORS.read_text())
+    assert "reference" not in data
+    assert len(floors(regress)["p_down"]["readings"]) == 3 and floors(regress)["p_down"]["floor"] is not None
+    assert "reference build unchanged (-k" in capsys.readouterr().out
+
+
 def test_a_ratio_crossing_at_every_reading_is_judged_side_by_side_with_the_reference(regress, capsys):
     regress.readings["git"]["status"] = ""
     for _ in range(3):
@@ -253,7 +265,7 @@ def test_committed_floors_cover_both_classes():
     for cls in ("avx512", "avx2"):
         quick = data["classes"][cls]["quick"]
         for name in ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "kernel_vs_limit_t64", "engine_decode_vs_transformers",
-                     "planner_makespan_e128k8_t1", "batch_decode16_vs_1"):
+                     "planner_vs_python_makespan_e128k8_t1", "batch_decode16_vs_1"):
             assert quick[name]["floor"] is not None, (cls, name)
 
 

@@ -18,8 +18,11 @@ with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its fl
 
 --update keeps the last readings of every ratio, per CPU, in the file and raises a floor only to what
 the last UPDATE_WINDOW readings of every CPU with readings all support, less the margin (the file's,
-or the ratio's own): never to the latest reading alone, never down. Lowering a floor needs --lower with
-a --reason, which is stored next to the floor. --update with -k records only the ratios read and never
+or the ratio's own): never to the latest reading alone, never down. Each CPU (model name, family and
+model) also gets its own floor by the same rule from its own readings ('cpu_floors'), and is judged by it
+once it has one; a CPU without one is judged by the class floor (so a new CPU, or a regression on one,
+still meets the class's floor or the side-by-side below). Lowering a floor needs --lower with a --reason,
+which is stored next to the floor (and caps every CPU's own floor of that ratio). --update with -k records only the ratios read and never
 moves the reference build (a partial run cannot vouch for the floors it did not read).
 A ratio measured on another kernel path than its recorded readings on this CPU ran (a fallback, which
 a floor sized for noise may not tell apart) fails at once, whatever its value.
@@ -85,13 +88,30 @@ def cpu_class(flags: set[str]) -> str:
 
 
 def cpu_name() -> str:
+    """The CPU a reading is of: its model name with its family and model, since a VM's name alone does
+    not tell CPUs apart ("AMD EPYC" is a Zen 3, 4 or 5; Zen 4 and 5 share the avx512 class)."""
+    fields = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
     except OSError:
         pass
-    return "unknown"
+    name = fields.get("model name", "unknown")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
+def reading_cpu() -> str:
+    """What readings and a CPU's own floors are recorded under: cpu_name(), and a forced kernel path,
+    which is a proxy for another CPU class, named."""
+    isa = os.environ.get("FIDDLER_KERNEL_ISA")
+    return f"{cpu_name()} (FIDDLER_KERNEL_ISA={isa})" if isa else cpu_name()
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -161,10 +181,11 @@ def save_floors(data: dict) -> None:
 def check(ratios: list[dict], floors: dict) -> list[dict]:
     """Each ratio against its floor, and its kernel path against the paths its recorded readings on this
     CPU ran: a ratio measured on another path (a fallback the floor may not tell apart) fails as "path"."""
-    rows, me = [], cpu_name()
+    rows, me = [], reading_cpu()
     for r in ratios:
         e = floors.get(r["name"], {})
-        f = e.get("floor")
+        own = (e.get("cpu_floors") or {}).get(me)
+        f = own if own is not None else e.get("floor")
         known = {x["path"] for x in e.get("readings", []) if x.get("cpu") == me and x.get("path")}
         if f is None:
             status = "no floor"
@@ -176,7 +197,7 @@ def check(ratios: list[dict], floors: dict) -> list[dict]:
             status = "pass" if r["value"] >= f else "FAIL"
         else:
             status = "pass" if r["value"] <= f else "FAIL"
-        rows.append({**r, "floor": f, "status": status})
+        rows.append({**r, "floor": f, "floor_of": "cpu" if own is not None else "class", "status": status})
     return rows
 
 
@@ -290,11 +311,12 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
 
 
 def print_table(rows: list[dict], skipped: list[dict], cls: str) -> None:
-    print(f"\nregression ratios on {cpu_name()} (floors: {cls}; each ratio's sides interleaved, best of the rounds)")
+    print(f"\nregression ratios on {reading_cpu()} (floors: {cls}, * this CPU's own; each ratio's sides interleaved, "
+          "best of the rounds)")
     head = f"{'ratio':<46} {'floor':>9} {'measured':>9} {'':>2} {'status':<8} what"
     print(head + "\n" + "-" * len(head))
     for r in rows:
-        f = "-" if r["floor"] is None else f"{r['floor']:.4g}"
+        f = "-" if r["floor"] is None else f"{r['floor']:.4g}" + ("*" if r.get("floor_of") == "cpu" else "")
         sign = ">=" if r["direction"] == "higher" else "<="
         extra = f" [{r['path']}]" if r.get("path") else ""
         print(f"{r['name']:<46} {f:>9} {r['value']:>9.4g} {sign:>2} {r['status']:<8} {r['what']}{extra}")
@@ -316,9 +338,7 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
     those over the CPUs (a class holds different CPUs, e.g. Intel with AMX and AMD Zen 5, and must
     pass on all of them), and this CPU needs UPDATE_WINDOW readings before it moves anything."""
     today = _dt.date.today().isoformat()
-    me = cpu_name()
-    if os.environ.get("FIDDLER_KERNEL_ISA"):  # a forced path is a proxy for another CPU class: say so
-        me += f" (FIDDLER_KERNEL_ISA={os.environ['FIDDLER_KERNEL_ISA']})"
+    me = reading_cpu()
     changes = []
     for r in ratios:
         e = table.setdefault(r["name"], {"direction": r["direction"], "floor": None, "readings": []})
@@ -344,10 +364,20 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
         margin = float(e.get("margin", data.get("margin", 0.15)))
         higher = r["direction"] == "higher"
         worst = [min(v[-UPDATE_WINDOW:]) if higher else max(v[-UPDATE_WINDOW:]) for v in by_cpu.values()]
-        cand = round(min(worst) * (1 - margin), 4) if higher else round(max(worst) * (1 + margin), 6)
-        if e["floor"] is None or (cand > e["floor"] if higher else cand < e["floor"]):
+        bound = (lambda w: round(w * (1 - margin), 4)) if higher else (lambda w: round(w * (1 + margin), 6))
+        rises = (lambda new, old: old is None or (new > old if higher else new < old))
+        cand = bound(min(worst) if higher else max(worst))
+        if rises(cand, e["floor"]):
             changes.append(f"{r['name']}: {e['floor']} -> {cand}")
             e["floor"] = cand
+        # this CPU's own floor, by the same rule from its readings alone: judged by it, a CPU slower
+        # than the class's others at a ratio (Zen 5's bf16 compute against Intel's) is not measured
+        # again and side by side at every run, and a faster one is held to its own level
+        own = e.setdefault("cpu_floors", {})
+        mine = bound(min(by_cpu[me][-UPDATE_WINDOW:]) if higher else max(by_cpu[me][-UPDATE_WINDOW:]))
+        if rises(mine, own.get(me)):
+            changes.append(f"{r['name']} on {me}: {own.get(me)} -> {mine}")
+            own[me] = mine
     return changes
 
 
@@ -381,6 +411,9 @@ def lower(table: dict, spec: str, reason: str) -> str:
     e = table[name]
     old = e.get("floor")
     e["floor"] = new
+    higher = e.get("direction", "higher") == "higher"
+    for cpu, f in (e.get("cpu_floors") or {}).items():  # after a lowering no floor of it is above `new`
+        e["cpu_floors"][cpu] = min(f, new) if higher else max(f, new)
     e.setdefault("lowered", []).append({"from": old, "to": new, "date": _dt.date.today().isoformat(),
                                         "cpu": cpu_name(), "reason": reason})
     return f"{name}: {old} -> {new} ({reason})"

@@ -312,3 +312,50 @@ def test_measure_prints_one_json_line_of_the_ratios_and_judges_nothing(regress, 
     for bad in (["--node", node], ["--root", str(tmp_path)], ["--measure", "k_up", "--update"]):
         with pytest.raises(SystemExit):
             regress.main(bad)
+
+
+def test_a_cpus_own_floor_judges_it_and_a_cpu_without_one_meets_the_class_floor(regress, monkeypatch):
+    args = ["--quick", "--update", "--class", "avx512"]
+    for _ in range(3):
+        regress.main(args)  # Test CPU at 1.0: class floor and its own 0.85
+    monkeypatch.setattr(regress, "cpu_name", lambda: "Slow CPU")
+    regress.readings["values"] = {"k_up": 0.6, "p_down": 0.1}
+    for _ in range(2):
+        regress.main(args)
+    assert "Slow CPU" not in floors(regress)["k_up"]["cpu_floors"]  # two readings seed nothing
+    regress.main(args)
+    f = floors(regress)["k_up"]
+    assert f["floor"] == pytest.approx(0.85)  # the class floor never falls to a slower CPU
+    assert f["cpu_floors"] == {"Test CPU": pytest.approx(0.85), "Slow CPU": pytest.approx(0.51)}
+    regress.readings["values"] = {"k_up": 0.55, "p_down": 0.1}
+    assert regress.main(["--quick", "--class", "avx512"]) == 0  # its own floor
+    regress.readings["values"] = {"k_up": 0.45, "p_down": 0.1}
+    assert regress.main(["--quick", "--class", "avx512"]) == 1  # below its own floor, every reading
+    monkeypatch.setattr(regress, "cpu_name", lambda: "New CPU")
+    regress.readings["values"] = {"k_up": 0.55, "p_down": 0.1}
+    assert regress.main(["--quick", "--class", "avx512"]) == 1  # no floor of its own: the class's 0.85
+    assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.5", "--reason", "a trade-off"]) == 0
+    f = floors(regress)["k_up"]
+    assert f["floor"] == 0.5 and f["cpu_floors"] == {"Test CPU": 0.5, "Slow CPU": pytest.approx(0.5)}
+
+
+def test_a_forced_kernel_path_records_and_is_judged_under_its_own_name(regress, monkeypatch):
+    monkeypatch.setenv("FIDDLER_KERNEL_ISA", "avx2")
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx2"])
+    f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx2"]["quick"]["k_up"]
+    assert set(f["cpu_floors"]) == {"Test CPU (FIDDLER_KERNEL_ISA=avx2)"}
+    assert {x["cpu"] for x in f["readings"]} == {"Test CPU (FIDDLER_KERNEL_ISA=avx2)"}
+
+
+def test_the_cpu_name_tells_cpus_of_one_model_name_apart():
+    spec = importlib.util.spec_from_file_location("regress_name", ROOT / "scripts" / "regress.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo")
+    text = Path("/proc/cpuinfo").read_text()
+    if "cpu family" not in text:
+        pytest.skip("/proc/cpuinfo without a cpu family (not x86)")
+    family = next(l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("cpu family"))
+    assert f"(family {family} model " in mod.cpu_name()

@@ -171,7 +171,8 @@ def load_floors() -> dict:
 def save_floors(data: dict) -> None:
     header = ("# Floors of scripts/regress.py (see its docstring): per CPU class, per ratio. 'readings' are the\n"
               "# last measurements recorded with --update; 'floor' only rises (to the minimum of the last\n"
-              f"# {UPDATE_WINDOW} readings less the margin); 'lowered' keeps every explicit lowering and its reason.\n")
+              f"# {UPDATE_WINDOW} readings less the margin); 'cpu_floors' are each CPU's own, by the same rule from its\n"
+              "# readings alone; 'lowered' keeps every explicit lowering and its reason.\n")
     FLOORS.parent.mkdir(parents=True, exist_ok=True)
     tmp = FLOORS.with_suffix(".tmp")
     tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, width=110))
@@ -336,7 +337,8 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
     """Appends this run's readings and raises every floor the readings support: on each CPU that has
     readings, the worst of its last UPDATE_WINDOW ones, less the margin; the floor is the lowest of
     those over the CPUs (a class holds different CPUs, e.g. Intel with AMX and AMD Zen 5, and must
-    pass on all of them), and this CPU needs UPDATE_WINDOW readings before it moves anything."""
+    pass on all of them), and this CPU needs UPDATE_WINDOW readings before it moves anything. This CPU's
+    own floor ('cpu_floors') rises by the same rule from its readings alone."""
     today = _dt.date.today().isoformat()
     me = reading_cpu()
     changes = []
@@ -363,10 +365,10 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
             continue
         margin = float(e.get("margin", data.get("margin", 0.15)))
         higher = r["direction"] == "higher"
-        worst = [min(v[-UPDATE_WINDOW:]) if higher else max(v[-UPDATE_WINDOW:]) for v in by_cpu.values()]
+        worst = {c: min(v[-UPDATE_WINDOW:]) if higher else max(v[-UPDATE_WINDOW:]) for c, v in by_cpu.items()}
         bound = (lambda w: round(w * (1 - margin), 4)) if higher else (lambda w: round(w * (1 + margin), 6))
         rises = (lambda new, old: old is None or (new > old if higher else new < old))
-        cand = bound(min(worst) if higher else max(worst))
+        cand = bound(min(worst.values()) if higher else max(worst.values()))
         if rises(cand, e["floor"]):
             changes.append(f"{r['name']}: {e['floor']} -> {cand}")
             e["floor"] = cand
@@ -374,7 +376,7 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
         # than the class's others at a ratio (Zen 5's bf16 compute against Intel's) is not measured
         # again and side by side at every run, and a faster one is held to its own level
         own = e.setdefault("cpu_floors", {})
-        mine = bound(min(by_cpu[me][-UPDATE_WINDOW:]) if higher else max(by_cpu[me][-UPDATE_WINDOW:]))
+        mine = bound(worst[me])
         if rises(mine, own.get(me)):
             changes.append(f"{r['name']} on {me}: {own.get(me)} -> {mine}")
             own[me] = mine

@@ -130,6 +130,24 @@ def test_linear_against_fp64(isa, mode, fmt, n, k, tokens, xdt):
 
 
 @pytest.mark.parametrize("isa", QISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_row_has_the_same_bits_alone_or_in_any_token_group(isa, fmt):
+    """The a8 micro-kernels take up to the path's mr tokens a call (16 on AVX-512, the fp32 sums of
+    tokens past 8 in memory rather than registers): a row's result is the same bits alone as among 37
+    (token groups of every size, a short last one), which batched requests rely on."""
+    fq.set_mode("a8", isa)
+    g = torch.Generator().manual_seed(7)
+    lin = fq.QuantLinear.from_float(torch.randn(48, 320, generator=g) / 320**0.5, fmt)
+    x = torch.randn(37, 320, generator=g).to(torch.bfloat16)
+    together = lin(x, out_dtype=torch.float32)
+    for n in (1, 8, 9, 16, 17):
+        part = lin(x[:n], out_dtype=torch.float32)
+        assert torch.equal(part, together[:n]), n
+    alone = torch.cat([lin(x[i:i + 1], out_dtype=torch.float32) for i in range(37)])
+    assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("isa", QISAS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hidden,ffn,tokens", [(40, 72, 1), (96, 160, 5), (64, 130, 33)])

@@ -55,9 +55,8 @@ inline void block_q(int fmt, const uint8_t* unit, int b, int r, int32_t* q) {
 }
 
 void mk_a8_generic(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
-                   const int32_t* xs, int64_t kp, int m, float* acc) {
+                   const int32_t* xs, int64_t ld, int m, float* acc) {
   (void)xs;
-  const int64_t nkb = kp / kQK;
   for (int t = 0; t < m; ++t)
     for (int r = 0; r < kQRows; ++r) acc[t * kQRows + r] = 0.0f;
   int32_t q[kQK];
@@ -69,10 +68,10 @@ void mk_a8_generic(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, c
         block_q(fmt, unit, b, r, q);
         const float dw = unit_scale(unit, b, r);
         for (int t = 0; t < m; ++t) {
-          const int8_t* xb = xq + t * kp + kb * kQK;
+          const int8_t* xb = xq + (kb * ld + t) * kQK;
           int32_t s = 0;
           for (int i = 0; i < kQK; ++i) s += q[i] * int32_t(xb[i]);
-          acc[t * kQRows + r] += float(s) * (dw * xd[t * nkb + kb]);
+          acc[t * kQRows + r] += float(s) * (dw * xd[kb * ld + t]);
         }
       }
     }
@@ -318,11 +317,14 @@ T* qscratch(std::vector<T>& v, size_t n) {
 
 // Activations of one pass in the form the active mode reads; one per input (x, and h per expert).
 struct Acts {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q;   // a8: QActs' block-major layout
   std::vector<float> d;
   std::vector<int32_t> s;
-  std::vector<float> f;
-  int64_t kp = 0;
+  std::vector<float> f;    // w: [tokens][kp]
+  int64_t kp = 0, tokens = 0;
+  std::vector<int8_t> row_q;  // one token's row-major quants, before they go block-major
+  std::vector<float> row_d;
+  std::vector<int32_t> row_s;
 };
 
 // bf16 or fp32 rows x[tokens][k] (row stride ldx) -> the mode's activations with K padded to kp with
@@ -340,6 +342,7 @@ inline void quant_row(const QuantOps& ops, const float* x, int64_t k, int64_t kp
 template <class T>
 void prepare_acts(int mode, const T* x, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
   a.kp = kp;
+  a.tokens = tokens;
   const int64_t nkb = kp / kQK;
   if (mode == kQModeW) {
     float* f = qscratch(a.f, size_t(tokens * kp));
@@ -352,8 +355,18 @@ void prepare_acts(int mode, const T* x, int64_t ldx, int64_t tokens, int64_t k, 
   int8_t* q = qscratch(a.q, size_t(tokens * kp));
   float* d = qscratch(a.d, size_t(tokens * nkb));
   int32_t* s = qscratch(a.s, size_t(tokens * nkb));
+  int8_t* rq = qscratch(a.row_q, size_t(kp));
+  float* rd = qscratch(a.row_d, size_t(nkb));
+  int32_t* rs = qscratch(a.row_s, size_t(nkb));
   const QuantOps& ops = qops();
-  for (int64_t t = 0; t < tokens; ++t) quant_row(ops, x + t * ldx, k, kp, q + t * kp, d + t * nkb, s + t * nkb);
+  for (int64_t t = 0; t < tokens; ++t) {
+    quant_row(ops, x + t * ldx, k, kp, rq, rd, rs);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      std::memcpy(q + (kb * tokens + t) * kQK, rq + kb * kQK, kQK);
+      d[kb * tokens + t] = rd[kb];
+      s[kb * tokens + t] = rs[kb];
+    }
+  }
 }
 
 void prepare_acts(int mode, const void* x, bool x_f32, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
@@ -366,11 +379,10 @@ void prepare_acts(int mode, const void* x, bool x_f32, int64_t ldx, int64_t toke
 // acc[tokens][16] for one row group's stream w (all tokens, token groups of ops.mr)
 void rowgroup_product(const QuantOps& ops, int mode, int fmt, const uint8_t* w, int64_t units, const Acts& a,
                       int64_t tokens, float* acc) {
-  const int64_t nkb = a.kp / kQK;
   for (int64_t t0 = 0; t0 < tokens; t0 += ops.mr) {
     const int m = int(std::min<int64_t>(ops.mr, tokens - t0));
     if (mode == kQModeA8)
-      ops.mk_a8(fmt, w, units, a.q.data() + t0 * a.kp, a.d.data() + t0 * nkb, a.s.data() + t0 * nkb, a.kp, m,
+      ops.mk_a8(fmt, w, units, a.q.data() + t0 * kQK, a.d.data() + t0, a.s.data() + t0, a.tokens, m,
                 acc + t0 * kQRows);
     else
       ops.mk_w(fmt, w, units, a.f.data() + t0 * a.kp, a.kp, m, acc + t0 * kQRows);

@@ -36,10 +36,9 @@ inline __m256 scales8(const uint8_t* p) {
 }
 
 template <int Fmt, int M>
-void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t kp,
+void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
              float* acc, int64_t dist) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576, qb = Fmt == kQ8_0 ? 512 : 256;
-  const int64_t nkb = kp / kQK;
   __m256 f[M][2];
   for (int t = 0; t < M; ++t) f[t][0] = f[t][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
@@ -58,7 +57,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
                                                 _mm256_set1_epi8(char(0x80)));  // the signed q (stored q + 128)
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int t = 0; t < M; ++t) {
-              const __m256i sx = _mm256_sign_epi8(bcast4(xq + t * kp + kb * kQK + 4 * j), wv);
+              const __m256i sx = _mm256_sign_epi8(bcast4(xq + (kb * ld + t) * kQK + 4 * j), wv);
               is[t][hh] = _mm256_add_epi32(is[t][hh], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
             }
           }
@@ -68,7 +67,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
             const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * hh));
             const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int t = 0; t < M; ++t) {
-              const int8_t* xb = xq + t * kp + kb * kQK;
+              const int8_t* xb = xq + (kb * ld + t) * kQK;
               const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * j)),
                                                  _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * j)));
               is[t][hh] = _mm256_add_epi32(is[t][hh], _mm256_madd_epi16(p, ones));
@@ -80,8 +79,8 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
         const __m256 dw = scales8(w + 32 * b + 16 * hh);
         for (int t = 0; t < M; ++t) {
           __m256i v = is[t][hh];
-          if constexpr (Fmt == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * xs[t * nkb + kb]));
-          f[t][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_set1_ps(xd[t * nkb + kb])),
+          if constexpr (Fmt == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * xs[kb * ld + t]));
+          f[t][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_set1_ps(xd[kb * ld + t])),
                                      f[t][hh]);
         }
       }
@@ -150,10 +149,10 @@ int64_t stream_distance() {
 }
 
 void mk_a8(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs,
-           int64_t kp, int m, float* acc) {
+           int64_t ld, int m, float* acc) {
   const int64_t d = stream_distance();
-  if (fmt == kQ8_0) (m == 1 ? mk_a8_t<kQ8_0, 1> : mk_a8_t<kQ8_0, 2>)(w, units, xq, xd, xs, kp, acc, d);
-  else (m == 1 ? mk_a8_t<kQ4_0, 1> : mk_a8_t<kQ4_0, 2>)(w, units, xq, xd, xs, kp, acc, d);
+  if (fmt == kQ8_0) (m == 1 ? mk_a8_t<kQ8_0, 1> : mk_a8_t<kQ8_0, 2>)(w, units, xq, xd, xs, ld, acc, d);
+  else (m == 1 ? mk_a8_t<kQ4_0, 1> : mk_a8_t<kQ4_0, 2>)(w, units, xq, xd, xs, ld, acc, d);
 }
 void mk_w(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, int m, float* acc) {
   const int64_t d = stream_distance();

@@ -13,7 +13,11 @@
 namespace fk {
 namespace {
 
-constexpr int kMr = 8;
+// Up to 16 tokens a call, so that 16 tokens stream a row group from DRAM once (two calls of 8 had the
+// second re-read it from L2 with the stream idle meanwhile). Past kMrRegisters tokens each token's fp32
+// sum lives in its row of `acc` (L1) instead of a register: the integer block sums take the registers.
+constexpr int kMr = 16;
+constexpr int kMrRegisters = 8;
 
 inline __m512i bcast4(const void* p) {
   int v;
@@ -40,16 +44,21 @@ inline int64_t pf_distances(const StreamTuning& st) {
 // Q8_0 q + 128 (stored so) or the Q4_0 nibbles, so isum - zero * sum(x_q) is the signed dot product.
 // With few tokens a single accumulator per token would chain 8 dependent vpdpbusd per block (~40
 // cycles: slower than DRAM delivers a Q4_0 block on one core), so each token sums into NA
-// independent accumulators that are added at the end of the block.
+// independent accumulators that are added at the end of the block. Activations: QActs' block-major
+// layout, `ld` tokens a block. The fp32 sum of token t: f[t] up to kMrRegisters tokens, else acc's row t
+// (the same operations in the same order, so the same bits either way).
 template <int Fmt, int M, bool Pf>
-void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t kp,
+void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
              float* acc, int64_t dist) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576, qb = Fmt == kQ8_0 ? 512 : 256;
   constexpr int zero = Fmt == kQ8_0 ? 128 : 8;
   constexpr int NA = Fmt == kQ8_0 ? 1 : (M <= 2 ? 2 : 1);
-  const int64_t nkb = kp / kQK;
-  __m512 f[M];
-  for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();
+  constexpr bool kInAcc = M > kMrRegisters;
+  __m512 f[kInAcc ? 1 : M];
+  for (int t = 0; t < M; ++t) {
+    if constexpr (kInAcc) _mm512_storeu_ps(acc + t * kQRows, _mm512_setzero_ps());
+    else f[t] = _mm512_setzero_ps();
+  }
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t u = 0; u < units; ++u, w += ub) {
     pf_line<Pf>(w, dist);
@@ -57,38 +66,47 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
       const int64_t kb = 2 * u + b;
       const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
       const uint8_t* q = w + 64 + b * qb;
+      const int8_t* xb = xq + kb * ld * kQK;  // token t's 32 quants at xb + 32 t
+      const float* db = xd + kb * ld;
+      const int32_t* sb = xs + kb * ld;
       __m512i is[M][NA];
       for (int t = 0; t < M; ++t)
         for (int a = 0; a < NA; ++a) is[t][a] = _mm512_setzero_si512();
       if constexpr (Fmt == kQ8_0) {
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           pf_line<Pf>(q + 64 * j, dist);
           const __m512i wv = _mm512_load_si512(q + 64 * j);
           for (int t = 0; t < M; ++t)
-            is[t][j % NA] = _mm512_dpbusd_epi32(is[t][j % NA], wv, bcast4(xq + t * kp + kb * kQK + 4 * j));
+            is[t][j % NA] = _mm512_dpbusd_epi32(is[t][j % NA], wv, bcast4(xb + t * kQK + 4 * j));
         }
       } else {
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           pf_line<Pf>(q + 64 * j, dist);
           const __m512i v = _mm512_load_si512(q + 64 * j);
           const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int t = 0; t < M; ++t) {
-            const int8_t* xb = xq + t * kp + kb * kQK;
-            is[t][(2 * j) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j) % NA], lo, bcast4(xb + 4 * j));
-            is[t][(2 * j + 1) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j + 1) % NA], hi, bcast4(xb + 16 + 4 * j));
+            const int8_t* xt = xb + t * kQK;
+            is[t][(2 * j) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j) % NA], lo, bcast4(xt + 4 * j));
+            is[t][(2 * j + 1) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j + 1) % NA], hi, bcast4(xt + 16 + 4 * j));
           }
         }
       }
       for (int t = 0; t < M; ++t) {
         __m512i sum = is[t][0];
         for (int a = 1; a < NA; ++a) sum = _mm512_add_epi32(sum, is[t][a]);
-        const __m512i corr = _mm512_set1_epi32(zero * xs[t * nkb + kb]);
+        const __m512i corr = _mm512_set1_epi32(zero * sb[t]);
         const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr));
-        f[t] = _mm512_fmadd_ps(s, _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * nkb + kb])), f[t]);
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(db[t]));
+        if constexpr (kInAcc)
+          _mm512_storeu_ps(acc + t * kQRows, _mm512_fmadd_ps(s, scale, _mm512_loadu_ps(acc + t * kQRows)));
+        else f[t] = _mm512_fmadd_ps(s, scale, f[t]);
       }
     }
   }
-  for (int t = 0; t < M; ++t) _mm512_storeu_ps(acc + t * kQRows, f[t]);
+  if constexpr (!kInAcc)
+    for (int t = 0; t < M; ++t) _mm512_storeu_ps(acc + t * kQRows, f[t]);
 }
 
 // w: weights dequantized in registers to fp32 (the integer q, times d_w once per block).
@@ -147,11 +165,11 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
 // from DRAM; later groups find the row group in L2). The prefetch distance is the kernel's per-CPU
 // stream knob (fk_tuning.cpp).
 template <int Fmt, int M>
-void a8_m(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t kp,
+void a8_m(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
           float* acc) {
   const StreamTuning st = stream_tuning();
-  if (st.hint != kHintNone || st.far) mk_a8_t<Fmt, M, true>(w, units, xq, xd, xs, kp, acc, pf_distances(st));
-  else mk_a8_t<Fmt, M, false>(w, units, xq, xd, xs, kp, acc, 0);
+  if (st.hint != kHintNone || st.far) mk_a8_t<Fmt, M, true>(w, units, xq, xd, xs, ld, acc, pf_distances(st));
+  else mk_a8_t<Fmt, M, false>(w, units, xq, xd, xs, ld, acc, 0);
 }
 template <int Fmt, int M>
 void w_m(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* acc) {
@@ -163,17 +181,19 @@ void w_m(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* acc
 using A8Fn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, int64_t, float*);
 using WFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
 template <int Fmt>
-constexpr A8Fn kA8[kMr] = {a8_m<Fmt, 1>, a8_m<Fmt, 2>, a8_m<Fmt, 3>, a8_m<Fmt, 4>,
-                           a8_m<Fmt, 5>, a8_m<Fmt, 6>, a8_m<Fmt, 7>, a8_m<Fmt, 8>};
+constexpr A8Fn kA8[kMr] = {a8_m<Fmt, 1>,  a8_m<Fmt, 2>,  a8_m<Fmt, 3>,  a8_m<Fmt, 4>,
+                           a8_m<Fmt, 5>,  a8_m<Fmt, 6>,  a8_m<Fmt, 7>,  a8_m<Fmt, 8>,
+                           a8_m<Fmt, 9>,  a8_m<Fmt, 10>, a8_m<Fmt, 11>, a8_m<Fmt, 12>,
+                           a8_m<Fmt, 13>, a8_m<Fmt, 14>, a8_m<Fmt, 15>, a8_m<Fmt, 16>};
 template <int Fmt>
 constexpr WFn kW[4] = {w_m<Fmt, 1>, w_m<Fmt, 2>, w_m<Fmt, 3>, w_m<Fmt, 4>};
 
 void mk_a8(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs,
-           int64_t kp, int m, float* acc) {
-  (fmt == kQ8_0 ? kA8<kQ8_0> : kA8<kQ4_0>)[m - 1](w, units, xq, xd, xs, kp, acc);
+           int64_t ld, int m, float* acc) {
+  (fmt == kQ8_0 ? kA8<kQ8_0> : kA8<kQ4_0>)[m - 1](w, units, xq, xd, xs, ld, acc);
 }
 // w mode: at most 4 tokens per pass (4 accumulators + 4 block sums + dequantized columns); the
-// driver's token groups use mr = 8, so split.
+// driver's token groups use mr = 16, so split.
 void mk_w(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, int m, float* acc) {
   for (int t0 = 0; t0 < m; t0 += 4) {
     const int mm = std::min(4, m - t0);

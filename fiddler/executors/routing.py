@@ -44,13 +44,32 @@ class ExpertGroups:
 
 class SlotOutputs:
     """Combination as in transformers' Mixtral experts (grouped_mm / batched_mm, the 5.x default): each
-    (token, slot) output is y * w in the model dtype, then the top-k slots of a token are summed."""
+    (token, slot) output is y * w in the model dtype, then the top-k slots of a token are summed.
+
+    The products are kept as they come (expert after expert) and put in (token, slot) order once, by a
+    gather, at the sum: on a CPU a scatter into [T, K, H] and a sum over K took ~5 ms a layer for a
+    512-token prefill (small_mixtral, one thread), the gather and the sum below ~0.5 ms."""
 
     def __init__(self, x: torch.Tensor, top_k: int):
-        self.slots = torch.empty(x.shape[0], top_k, x.shape[1], dtype=x.dtype, device=x.device)
+        self.num_tokens, self.top_k = x.shape[0], top_k
+        self._pairs: list[torch.Tensor] = []  # token * top_k + slot of each row of _rows
+        self._rows: list[torch.Tensor] = []
 
     def put(self, tok: torch.Tensor, slot: torch.Tensor, y: torch.Tensor, topk_w: torch.Tensor) -> None:
-        self.slots[tok, slot] = y * topk_w[tok, slot].unsqueeze(-1)
+        self._pairs.append(tok * self.top_k + slot)
+        self._rows.append(y * topk_w[tok, slot].unsqueeze(-1))
 
     def sum(self) -> torch.Tensor:
-        return self.slots.sum(dim=1)
+        T, K = self.num_tokens, self.top_k
+        pairs = self._pairs[0] if len(self._pairs) == 1 else torch.cat(self._pairs)
+        rows = self._rows[0] if len(self._rows) == 1 else torch.cat(self._rows)
+        if pairs.numel() != T * K:
+            raise RuntimeError(f"combine: {pairs.numel()} (token, slot) outputs for {T} tokens x {K} slots")
+        order = torch.empty_like(pairs)
+        order[pairs] = torch.arange(pairs.numel(), device=pairs.device)
+        slots = rows.index_select(0, order).view(T, K, -1)
+        if K == 2:
+            # sum(dim=1) accumulates in fp32 from +0 and rounds once: for two slots that is one fp32 add
+            # rounded once, with -0 + -0 made +0 (the "+ 0.0"), the same bits ~15x faster on a CPU
+            return torch.add(slots[:, 0], slots[:, 1]).add_(0.0)
+        return slots.sum(dim=1)

@@ -1,0 +1,51 @@
+"""Grouping by expert and the combination of expert outputs (fiddler.executors.routing): the combination
+gives the bits of transformers' way (a scatter into [T, K, H] of y * w in the model dtype, then a sum
+over K), whatever order and pieces the outputs come in, signed zeros included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fiddler.executors.routing import ExpertGroups, SlotOutputs
+
+
+def scatter_then_sum(T, K, tok, slot, y, w):
+    slots = torch.empty(T, K, y.shape[1], dtype=y.dtype)
+    slots[tok, slot] = y * w[tok, slot].unsqueeze(-1)
+    return slots.sum(dim=1)
+
+
+@pytest.mark.parametrize("T,K,E", [(512, 2, 8), (7, 2, 8), (33, 4, 16), (5, 1, 4), (64, 8, 64)])
+def test_combination_has_the_bits_of_scatter_then_sum(T, K, E):
+    g = torch.Generator().manual_seed(T * K)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).to(torch.bfloat16)
+    # a wide exponent range (roundings of every size) and signed zeros (-0 + -0 is -0, a sum from +0 is +0)
+    y = (torch.randn(T * K, 96, generator=g) * torch.exp(torch.randn(T * K, 96, generator=g) * 4)).to(torch.bfloat16)
+    y[::3] = -0.0
+    w[0] = 0.0
+    groups = ExpertGroups(idx, E, layer=0)
+    tok, slot = groups.pairs_of(groups.active())
+    want = scatter_then_sum(T, K, tok, slot, y, w).view(torch.int16)
+    x = torch.empty(T, 96, dtype=torch.bfloat16)
+    whole = SlotOutputs(x, K)
+    whole.put(tok, slot, y, w)
+    assert torch.equal(whole.sum().view(torch.int16), want)
+    pieces, start = SlotOutputs(x, K), 0  # expert by expert, as the GPU queue puts them
+    for e in reversed(groups.active()):
+        te, se = groups.pairs(e)
+        rows = torch.cat([torch.nonzero((tok == a) & (slot == b)).flatten() for a, b in zip(te, se)])
+        pieces.put(te, se, y[rows], w)
+        start += len(te)
+    assert start == T * K
+    assert torch.equal(pieces.sum().view(torch.int16), want)
+
+
+def test_a_missing_output_is_an_error_not_garbage():
+    idx = torch.tensor([[0, 1], [1, 2]])
+    groups = ExpertGroups(idx, 4, layer=0)
+    tok, slot = groups.pairs(1)
+    out = SlotOutputs(torch.empty(2, 8, dtype=torch.bfloat16), 2)
+    out.put(tok, slot, torch.ones(len(tok), 8, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="2 tokens x 2 slots"):
+        out.sum()

@@ -417,7 +417,7 @@ def lower(table: dict, spec: str, reason: str) -> str:
     for cpu, f in (e.get("cpu_floors") or {}).items():  # after a lowering no floor of it is above `new`
         e["cpu_floors"][cpu] = min(f, new) if higher else max(f, new)
     e.setdefault("lowered", []).append({"from": old, "to": new, "date": _dt.date.today().isoformat(),
-                                        "cpu": cpu_name(), "reason": reason})
+                                        "cpu": reading_cpu(), "reason": reason})
     return f"{name}: {old} -> {new} ({reason})"
 
 

@@ -317,7 +317,7 @@ T* qscratch(std::vector<T>& v, size_t n) {
 
 // Activations of one pass in the form the active mode reads; one per input (x, and h per expert).
 struct Acts {
-  std::vector<int8_t> q;   // a8: QActs' block-major layout
+  std::vector<int8_t> q;   // a8: the block-major layout (fk_quant.h)
   std::vector<float> d;
   std::vector<int32_t> s;
   std::vector<float> f;    // w: [tokens][kp]

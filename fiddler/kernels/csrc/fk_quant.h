@@ -60,29 +60,24 @@ inline float half_to_f32(uint16_t h) {
 }
 uint16_t f32_to_half(float f);
 
-// Activations of one call in the a8 mode, block-major: for each 32-block of K, every token's Q8_0
-// quants of x, its scale (fp16-rounded, as fp32) and the sum of its quants (the zero-point correction
-// of the unsigned operand). A micro-kernel then finds token t of a block at a fixed offset from one
-// pointer (t * 32 bytes, t * 4) however many tokens it takes, which keeps 16 tokens' addresses out of
-// the general registers.
-struct QActs {
-  const int8_t* q;    // [kp / 32][tokens][32]
-  const float* d;     // [kp / 32][tokens]
-  const int32_t* s;   // [kp / 32][tokens]
-  int64_t tokens;     // the block stride, in tokens
-};
+// The a8 activation layout, block-major: for each 32-block kb of K, every token's Q8_0 quants of x,
+// its scale (fp16-rounded, as fp32) and the sum of its quants (the zero-point correction of the
+// unsigned operand):
+//   q [kp / 32][ld][32] int8,  d [kp / 32][ld] fp32,  s [kp / 32][ld] int32   (ld: the call's tokens)
+// A micro-kernel then finds token t of a block at a fixed offset from one pointer (t * 32 bytes, t * 4)
+// however many tokens it takes, which keeps 16 tokens' addresses out of the general registers.
 
 // One ISA path's quantized micro-kernels. Both compute, for tokens t < m of a token group and the 16
 // rows of one row group, acc[t][16] = sum over the `units` units of the row group's stream w.
 struct QuantOps {
   const char* name;
   int mr;  // tokens per call
-  // a8: xq/xd/xs (QActs' layout, `ld` tokens a block) already offset to the token group's first token
+  // a8: xq/xd/xs (the a8 layout, `ld` tokens a block) already offset to the token group's first token
   void (*mk_a8)(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
                 const int32_t* xs, int64_t ld, int m, float* acc);
   // w: x fp32 [m][kp]
   void (*mk_w)(int fmt, const uint8_t* w, int64_t units, const float* x, int64_t kp, int m, float* acc);
-  // a8 activations of one bf16 row x[k] (zero-padded to kp): q[kp], d[kp/32], s[kp/32] (see QActs);
+  // a8 activations of one bf16 row x[k] (zero-padded to kp): q[kp], d[kp/32], s[kp/32] (one token's row);
   // every path gives the same bits (exact max, IEEE divide and multiply, round-half-even)
   void (*quant_row)(const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s);
   // the same for an fp32 row (an expert's hidden activations, which stay fp32 as in llama.cpp)

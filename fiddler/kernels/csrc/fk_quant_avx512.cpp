@@ -44,8 +44,8 @@ inline int64_t pf_distances(const StreamTuning& st) {
 // Q8_0 q + 128 (stored so) or the Q4_0 nibbles, so isum - zero * sum(x_q) is the signed dot product.
 // With few tokens a single accumulator per token would chain 8 dependent vpdpbusd per block (~40
 // cycles: slower than DRAM delivers a Q4_0 block on one core), so each token sums into NA
-// independent accumulators that are added at the end of the block. Activations: QActs' block-major
-// layout, `ld` tokens a block. The fp32 sum of token t: f[t] up to kMrRegisters tokens, else acc's row t
+// independent accumulators that are added at the end of the block. Activations: the block-major a8
+// layout (fk_quant.h), `ld` tokens a block. The fp32 sum of token t: f[t] up to kMrRegisters tokens, else acc's row t
 // (the same operations in the same order, so the same bits either way).
 template <int Fmt, int M, bool Pf>
 void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,

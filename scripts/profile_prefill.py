@@ -84,6 +84,16 @@ class Patches:
     def wrap(self, obj, attr, sections: Sections, name: str):
         self.set(obj, attr, sections.wrap(getattr(obj, attr), name))
 
+    def time_calls(self, obj, sections: Sections, name: str):
+        """Time obj's calls by giving it a subclass of its own type whose __call__ is wrapped: the object
+        stays an instance of its class, so code that checks its type (the model's thread switch looks
+        for its packed Linears) behaves as without the profiler. A wrapper function in its place did
+        not: the engine then kept torch at one thread for long prefills, and its attention and
+        projections read twice transformers'."""
+        cls = type(obj)
+        timed = type(f"Timed{cls.__name__}", (cls,), {"__call__": sections.wrap(cls.__call__, name)})
+        self.set(obj, "__class__", timed)
+
     def undo(self):
         while self._undo:
             obj, attr, v = self._undo.pop()
@@ -93,11 +103,28 @@ class Patches:
 # ---------------------------------------------------------------------------- the engine
 
 def engine_runner(path, max_seq: int, threads: int | None, sec: Sections):
-    import fiddler.model as fm
     from fiddler import Engine
     from fiddler.threads import torch_threads
 
     engine = Engine.from_pretrained(path, cpu_threads=threads, max_seq_len=max_seq, max_batch=1)
+    p = instrument_engine(engine, sec)
+
+    def prefill(ids):
+        with torch_threads(engine._torch_threads):
+            engine.model.forward(ids[None], 0)
+
+    info = {"executor": engine.info()["executor_info"].get("cpu_expert_path"),
+            "kernel_max_tokens": engine.info()["kernel_max_tokens"],
+            # torch's threads beside the kernel, and where torch serves the linears (a long prefill)
+            "torch_threads_in_run": engine._torch_threads or torch.get_num_threads(),
+            "torch_threads_torch_linears": engine.model.torch_linear_threads}
+    return prefill, info, p
+
+
+def instrument_engine(engine, sec: Sections) -> Patches:
+    """Charge the engine's calls to their parts (undo with the returned Patches)."""
+    import fiddler.model as fm
+
     model, ex = engine.model, engine.executor
     p = Patches()
     p.wrap(fm, "apply_rope", sec, "rope")
@@ -110,19 +137,11 @@ def engine_runner(path, max_seq: int, threads: int | None, sec: Sections):
     for layer in model.layers:
         for attr, name in (("qkv_proj", "projections"), ("o_proj", "projections"), ("router", "router")):
             if getattr(layer, attr) is not None:
-                p.wrap(layer, attr, sec, name)
+                p.time_calls(getattr(layer, attr), sec, name)
     p.wrap(ex, "forward", sec, "experts (around)")
     packed = next(x for row in ex.packed for x in row if x is not None)
     p.wrap(type(packed), "forward", sec, "experts (kernel)")
-
-    def prefill(ids):
-        with torch_threads(engine._torch_threads):
-            engine.model.forward(ids[None], 0)
-
-    info = {"executor": engine.info()["executor_info"].get("cpu_expert_path"),
-            "kernel_max_tokens": engine.info()["kernel_max_tokens"],
-            "torch_threads_in_run": engine._torch_threads or torch.get_num_threads()}
-    return prefill, info, p
+    return p
 
 
 # ---------------------------------------------------------------------------- transformers

@@ -86,3 +86,29 @@ def test_prefill_logits_agree_whether_torch_or_the_kernel_serves_the_linears(mon
                       .forward_logits(ids))
     a, b = logits
     assert torch.allclose(a, b, atol=0.05 * float(a.abs().max()), rtol=0)
+
+
+def test_the_prefill_profiler_leaves_the_engines_thread_switch_as_it_is(monkeypatch):
+    # scripts/profile_prefill.py times the projections by wrapping them. It once put a function in each
+    # Linear's place; the model then found no packed Linear, kept torch at one thread for the long
+    # prefill, and the profile charged the engine's attention and projections twice their real time.
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_prefill.py"
+    spec = importlib.util.spec_from_file_location("profile_prefill", script)
+    pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+    monkeypatch.setattr(fe, "choose_kernel_max_tokens", lambda weight: 8)  # the measurement, injected
+    e = Engine.from_pretrained(model_path("e8k2"), gpu=GpuSide.none(), cpu_threads=2)
+    seen = []
+    sdpa = e.model._sdpa
+    e.model._sdpa = lambda *a, **kw: (seen.append(torch.get_num_threads()), sdpa(*a, **kw))[1]
+    sec = pp.Sections()
+    patches = pp.instrument_engine(e, sec)
+    e.generate(prompt(16, 512), max_new_tokens=1)
+    assert seen and set(seen) == {2}  # 16 tokens > 8: torch serves the linears with the engine's cores
+    assert sec.self_s["projections"] > 0 and sec.self_s["router"] > 0
+    patches.undo()
+    assert all(type(l.o_proj) is type(e.model.layers[0].o_proj) for l in e.model.layers)
+    assert type(e.model.layers[0].o_proj).__name__ == "Linear"

@@ -10,7 +10,7 @@ import shutil
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [f"fiddler/kernels/csrc/{name}.cpp" for name in ("fk_api", "fk_cpu", "fk_tuning", "fk_pool", "fk_driver", "fk_probe", "fk_generic", "fk_avx2", "fk_avx512", "fk_amx", "fk_amx_emu", "fk_decode", "fk_quant", "fk_quant_avx2", "fk_quant_avx512")]
+SOURCES = [f"fiddler/kernels/csrc/{name}.cpp" for name in ("fk_api", "fk_cpu", "fk_tuning", "fk_pool", "fk_driver", "fk_probe", "fk_generic", "fk_avx2", "fk_avx512", "fk_amx", "fk_amx_emu", "fk_decode", "fk_quant", "fk_quant_avx2", "fk_quant_avx512", "fk_attention")]
 
 
 class BuildKernels(build_ext):

@@ -70,6 +70,70 @@ def choose_kernel_max_tokens(weight: torch.Tensor, candidates=CROSSOVER_TOKENS, 
     return best_n if best_n < candidates[-1] else 1 << 30
 
 
+ATTENTION_PROBE_TOKENS = 256
+PREFILL_ATTENTION = ("auto", "kernel", "torch")
+
+
+def choose_prefill_attention(cfg: MoEConfig, tokens: int = ATTENTION_PROBE_TOKENS, repeats: int = 3,
+                             measure: bool = True) -> dict:
+    """Whether a prompt's causal attention runs on the kernel (fiddler.kernels.attention) or torch's SDPA:
+    both timed on random operands of the model's heads at `tokens` tokens, per thread in CPU time of the
+    calling thread (as choose_kernel_max_tokens, for the same reason), the faster kept; measure=False
+    takes the kernel wherever it can run. torch's SDPA can win where oneDNN multiplies on AMX tiles; on a
+    Zen 5 core pair the kernel ran 3.5-6x faster at 512-4096 tokens. Returns {"path": "kernel" |
+    "torch", ...the times, or why not}."""
+    from .kernel_loader import load_attention_kernel
+
+    ka = load_attention_kernel()
+    if ka is None:
+        return {"path": "torch", "why": "no AVX512-BF16 kernel path in this process"}
+    nh, dk, dv = cfg.num_heads, cfg.qk_head_dim, cfg.attn_v_dim
+    nkv = nh if cfg.attention == "mla" else cfg.num_kv_heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, tokens, d, generator=g).to(torch.bfloat16) for h, d in ((nh, dk), (nkv, dk), (nkv, dv)))
+    if not ka.supports(q, k, v):
+        return {"path": "torch", "why": f"heads the kernel does not take (head dims {dk}/{dv})"}
+    if not measure:
+        return {"path": "kernel", "why": "prefill_attention='kernel'"}
+    scale = dk ** -0.5
+
+    def cpu_time(fn) -> float:
+        best = float("inf")
+        for _ in range(repeats + 1):
+            t = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t)
+        return best
+
+    with torch_threads(1):
+        t_kernel = cpu_time(lambda: ka.causal_attention(q, k, v, scale, threads=1))
+        t_torch = cpu_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                  enable_gqa=nh != nkv))
+    return {"path": "kernel" if t_kernel <= t_torch else "torch", "tokens": tokens,
+            "kernel_ms": round(t_kernel * 1e3, 3), "torch_ms": round(t_torch * 1e3, 3)}
+
+
+def settle_prefill_attention(model: MoETransformer, cfg: MoEConfig, dtype: torch.dtype, layer_devices,
+                             choice: str) -> dict:
+    """Give the model the kernel's prefill attention where `choice` (PREFILL_ATTENTION) and this process
+    allow it; returns what was decided, for info()."""
+    from .kernel_loader import load_attention_kernel
+
+    if choice == "torch":
+        return {"path": "torch", "why": "prefill_attention='torch'"}
+    if dtype != torch.bfloat16:
+        decided = {"path": "torch", "why": f"the kernel's attention is bf16 (dtype {str(dtype).replace('torch.', '')})"}
+    elif not any(d.type == "cpu" for d in layer_devices):
+        decided = {"path": "torch", "why": "no layer on the CPU"}
+    else:
+        decided = choose_prefill_attention(cfg, measure=choice == "auto")
+    if decided["path"] == "kernel":
+        model.prefill_attention = load_attention_kernel()
+    elif choice == "kernel":
+        raise ValueError(f"prefill_attention='kernel' cannot be used here: {decided['why']}")
+    return decided
+
+
 def set_cpu_threads(n: int) -> None:
     """Threads of torch (process-wide) and of the CPU kernel's pool."""
     torch.set_num_threads(n)
@@ -166,6 +230,7 @@ class Engine:
         quant: str | None = None,
         quant_cache: bool | str | Path = True,
         gguf: str | Path | None = None,
+        prefill_attention: str = "auto",
     ) -> "Engine":
         """Load an HF Mixtral checkpoint (original per-expert safetensors layout, sharded or not).
 
@@ -181,8 +246,12 @@ class Engine:
         lm_head stay in dtype (bf16 only). quant_cache: keep the quantized blocks on disk, keyed by the
         checkpoint's content hash and the quant type (True: $FIDDLER_CACHE/quant; a path: that
         directory; False: quantize at every load). gguf: take the quantized tensors from this GGUF file
-        (llama.cpp's converter/quantizer output of the same checkpoint) instead of quantizing."""
+        (llama.cpp's converter/quantizer output of the same checkpoint) instead of quantizing.
+        prefill_attention: where a prompt's causal attention runs on CPU layers: "auto" (the faster of
+        the kernel and torch's SDPA, measured at load), "kernel" (an error where it cannot) or "torch"."""
         t_load = time.perf_counter()
+        if prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, got {prefill_attention!r}")
         quant = fquant.check_quant(quant)
         if quant is not None and dtype != torch.bfloat16:
             raise ValueError(f"quant={quant!r} needs dtype=torch.bfloat16, got {dtype}")
@@ -219,6 +288,7 @@ class Engine:
         weights.experts = []  # the executor owns them now
         fp32_acts = quant is not None and fquant.use_fp32_activations(model)
         torch_threads_in_run = finalise_linears(model, ex)
+        attention = settle_prefill_attention(model, cfg, dtype, layer_devices, prefill_attention)
         if quant is not None:
             fquant.install_attention(model, attn_blocks, quant)
         k = load_kernels()
@@ -241,6 +311,7 @@ class Engine:
             "kernel_linears": kernel_linears,
             "kernel_max_tokens": model.lm_head.kernel_max_tokens if kernel_linears else 0,
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),
+            "prefill_attention": attention,
             "quant": quant,
             **({"quant_fp32_activations": fp32_acts} if quant is not None else {}),
             **({"quant_info": quant_info} if quant_info else {}),

@@ -29,3 +29,12 @@ def decode_kernels_error() -> str:
     except Exception as e:  # noqa: BLE001
         return f"fiddler.kernels.decode did not import: {e}"
     return decode.load_error() or "fiddler.kernels.decode is not available"
+
+
+def load_attention_kernel():
+    """fiddler.kernels.attention if this process's kernel runs the prefill attention, else None."""
+    try:
+        from .kernels import attention
+    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
+        return None
+    return attention if attention.is_available() else None

@@ -343,6 +343,9 @@ class MoETransformer:
     # a long prefill), where torch does the heavy work; the engine sets its cores here while it keeps
     # torch at one thread for the kernel's sake (fiddler.engine.finalise_linears). None: leave torch's.
     torch_linear_threads: int | None = None
+    # fiddler.kernels.attention where a prompt's causal attention (pos 0) runs on the kernel instead of
+    # torch's SDPA: chosen by measuring both at load (fiddler.engine.choose_prefill_attention)
+    prefill_attention = None
 
     def __init__(
         self,
@@ -483,6 +486,9 @@ class MoETransformer:
             # One query per sequence: attend per KV head with its group of query heads (no repeat of K/V).
             o = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, d), keys, values, scale=scale)
         elif pos == 0 and (window is None or L <= window):
+            ka = self.prefill_attention
+            if ka is not None and ka.supports(q, keys, values):
+                return ka.causal_attention(q, keys, values, scale)  # already [B*T, nh * dv]
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=nh != nkv)
         else:
             qi = torch.arange(pos, L, device=q.device)[:, None]

@@ -39,7 +39,7 @@ from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
 from .ffn import torch_expert
-from .routing import ExpertGroups, SlotOutputs
+from .routing import ExpertGroups, Scratch, SlotOutputs
 
 
 def empty_expert(config, dtype, device) -> ExpertWeights:
@@ -185,6 +185,7 @@ class FiddlerExecutor(ExpertExecutor):
         if gpu.has_gpu and placement.num_resident < L * E:
             self._allocate_buffers()
         self.copy_in = CopyIn(self.device, COPY_BUFFERS)
+        self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
         self.reset_stats()
@@ -428,14 +429,14 @@ class FiddlerExecutor(ExpertExecutor):
         x_cpu, x = x, x.to(self.dtype)
         groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
         plan: LayerPlan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
-        combined = SlotOutputs(x, K)
+        combined = SlotOutputs(x, K, self._scratch)
 
         # CPU queue first, so it overlaps everything below.
         cpu_experts = plan.experts(CPU)
         future = cpu_result = None
         if cpu_experts:
             t_c, s_c = groups.pairs_of(cpu_experts)
-            x_c, ready = self._to_host(x_cpu.index_select(0, t_c))
+            x_c, ready = self._to_host(self._scratch.gather("cpu_rows", x_cpu, t_c))
             sizes = [groups.counts[e] for e in cpu_experts]
             if self.threads.overlap and len(cpu_experts) < sum(d is not None for d in plan.decisions):
                 future = self._worker().submit(self._run_cpu_queue, layer, cpu_experts, sizes, x_c, ready,

@@ -42,6 +42,7 @@ def experts():
         w2 = (torch.randn(HIDDEN, FFN, generator=g) * FFN**-0.5).to(torch.bfloat16)
         torch_w.append((w1, w3, w2))
         packed.append(fk.PackedExpert(w1, w3, w2))
+    fk.tune_blocking(packed)  # as the engine does on its experts at load
     return torch_w, packed, weight_bytes
 
 
@@ -86,7 +87,8 @@ def test_kernel(benchmark, experts, limit_buf, peak, rounds, tokens):
     peak_s = min(peak.best_s() for _ in range(rounds))
     feats = fk.features()
     path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
-    common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes)
+    common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes,
+                  blocking=fk.blocking_choice())
     # the roofline of the round with the best limit: max(its memory time, the compute peak's time)
     # the kernel's own best includes this call: a peak it beats would be no peak (the expert at 256-512
     # tokens has read faster than the probe's product)

@@ -308,6 +308,7 @@ class Engine:
             "kernel_isa": k.isa() if k is not None else None,
             "kernel_stream": k.stream() if k is not None else None,
             "kernel_amx": k.amx_choice() if k is not None else None,
+            "kernel_blocking": k.blocking_choice() if k is not None else None,
             "kernel_linears": kernel_linears,
             "kernel_max_tokens": model.lm_head.kernel_max_tokens if kernel_linears else 0,
             "torch_threads": torch_threads_in_run or torch.get_num_threads(),

@@ -106,6 +106,58 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_call(path):
     assert torch.equal(many[5:6], one)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_results_do_not_depend_on_the_super_blocks(path):
+    """The number of weight blocks a many-token product walks K with (tune_blocking's knob) changes which
+    blocks share a pass, never the order of any output's sum: the same bits for every setting."""
+    use_path(path)
+    hidden, ffn, tokens = (1100, 300, 270) if path != "generic" else (600, 300, 40)
+    x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed=5)
+    pe, lin = fk.PackedExpert(w1, w3, w2), fk.PackedLinear(w1)
+    try:
+        fk.set_super_blocks(None)
+        want_e, want_l = pe(x), lin.forward(x)
+        for n in (1, 2, 3, 16):
+            fk.set_super_blocks(n)
+            assert fk.blocking()["super_blocks"] == n == fk.blocking_choice()["super_blocks"]
+            assert torch.equal(pe(x), want_e), f"expert, {n} super-blocks"
+            assert torch.equal(lin.forward(x), want_l), f"linear, {n} super-blocks"
+    finally:
+        fk.set_super_blocks(None)
+    assert fk.blocking_choice() == {"super_blocks": 8, "source": "default"}
+    with pytest.raises(ValueError, match="super-blocks"):
+        fk.set_super_blocks(-1)
+
+
+def test_fastest_blocking_weighs_every_token_count():
+    # 2 wins at 64 tokens by 30% and loses at 256 by 5%: 2 is chosen
+    assert fk.fastest_blocking({2: {64: 19.0, 256: 49.0}, 8: {64: 26.0, 256: 46.7}}) == 2
+    # a small win at one count against a large loss at the other: 8
+    assert fk.fastest_blocking({2: {64: 25.0, 256: 60.0}, 8: {64: 26.0, 256: 46.0}}) == 8
+    assert fk.fastest_blocking({2: {64: 1.0}, 4: {64: 1.0}}) == 4  # a tie keeps the larger
+
+
+def test_blocking_tuning_measures_sets_and_can_be_overridden(monkeypatch):
+    import types
+
+    e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
+    try:
+        # a few KB cannot show the DRAM regime: nothing is measured, the default stays
+        assert fk.tune_blocking([e]) == {"super_blocks": 8, "source": "default"}
+        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
+        # injected times, per token count (64, then 256), per candidate (2, 8): 2 is faster at both
+        clock = _ScriptedClock([2e-3, 3e-3, 5e-3, 6e-3])
+        monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        got = fk.tune_blocking([e] * 4, candidates=(2, 8), rounds=1)
+        assert not clock.durations
+        assert got["source"].startswith("tune_blocking: measured on 4 experts") and got["super_blocks"] == 2
+        assert got["ms"] == {2: {64: 2.0, 256: 5.0}, 8: {64: 3.0, 256: 6.0}} and fk.blocking()["super_blocks"] == 2
+        monkeypatch.setenv("FIDDLER_KERNEL_SUPER_BLOCKS", "4")
+        assert fk.tune_blocking([e]) == {"super_blocks": 4, "source": "FIDDLER_KERNEL_SUPER_BLOCKS"}
+    finally:
+        fk.set_super_blocks(None)
+
+
 def test_many_token_blocking_is_derived_from_the_caches():
     """K chunk: a 32-row block's piece within 2/3 of L1d; token chunk: a super-block's accumulators and
     the rows' piece within 3/8 of L2 (fk_tuning.cpp)."""

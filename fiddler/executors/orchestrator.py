@@ -182,6 +182,8 @@ class FiddlerExecutor(ExpertExecutor):
             # a per-CPU knob, measured here on these experts before calibration times them: from how many
             # tokens AMX tiles beat the vector path (a no-op without AMX or with too few bytes to stream)
             self.kernel.tune_amx(self._host_copies(), threads=threads.all)
+            # and how many weight blocks a many-token product walks K with (prefill, beams)
+            self.kernel.tune_blocking(self._host_copies(), threads=threads.all)
         if gpu.has_gpu and placement.num_resident < L * E:
             self._allocate_buffers()
         self.copy_in = CopyIn(self.device, COPY_BUFFERS)

@@ -8,7 +8,8 @@ else portable C++. `FIDDLER_KERNEL_ISA` (auto, amx, avx512_bf16, avx2, generic) 
 a path. How the weight stream prefetches (hint and distance) is a per-CPU knob: a per-vendor default,
 `FIDDLER_KERNEL_STREAM` / `set_stream()` to override it, `tune_stream()` to measure it here (see
 `stream()`). Where AMX is used, the token count from which it replaces the vector path is measured
-on the machine by `tune_amx()` (the engine runs it on its own experts). `read_limit()` is the independent memory-read limit that judges the kernel. Calls
+on the machine by `tune_amx()` (the engine runs it on its own experts), and so is the number of weight
+blocks a many-token product walks K with (`tune_blocking()`). `read_limit()` is the independent memory-read limit that judges the kernel. Calls
 release the GIL.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from . import _lib
 
 __all__ = [
     "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "set_amx", "features", "set_num_threads",
-    "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "read_limit", "limit_buffer", "stream_working_set_bytes",
+    "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "tune_blocking", "set_super_blocks", "blocking_choice", "read_limit", "limit_buffer", "stream_working_set_bytes",
     "is_available", "load_error", "blocking",
 ]
 
@@ -148,6 +149,76 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
     return amx_choice()
 
 
+_BLOCKING_CHOICE: dict = {"source": "default"}  # how the super-blocks were set (blocking_choice())
+BLOCKING_TUNE_CANDIDATES = (2, 4, 8)
+BLOCKING_TUNE_TOKENS = (64, 256)
+
+
+def set_super_blocks(n: int | None, source: str = "set_super_blocks") -> None:
+    """Weight blocks (32 rows each) a many-token product walks K with, per pool item: None or 0 for the
+    default (8). Results do not depend on it (the same bits for every blocking)."""
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64):
+        raise ValueError(f"super-blocks must be None/0 (the default) or an int in 1..64, got {n!r}")
+    _lib.check(_L().fk_set_super_blocks(int(n or 0)))
+    _BLOCKING_CHOICE.clear()
+    _BLOCKING_CHOICE.update(source=source if n else "default")
+
+
+def blocking_choice() -> dict:
+    """{"super_blocks", "source"} (+ "ms": {super_blocks: {tokens: ms}} when tune_blocking measured it)."""
+    return {"super_blocks": blocking()["super_blocks"], **_BLOCKING_CHOICE}
+
+
+def fastest_blocking(times: dict[int, dict[int, float]]) -> int:
+    """The candidate with the least summed time relative to each token count's best; times:
+    {super_blocks: {tokens: seconds}}. A tie keeps the larger candidate (the default's side)."""
+    best = {t: min(times[c][t] for c in times) for t in next(iter(times.values()))}
+    score = {c: sum(times[c][t] / best[t] for t in best) for c in times}
+    return min(sorted(times, reverse=True), key=lambda c: score[c])
+
+
+def tune_blocking(experts, candidates=BLOCKING_TUNE_CANDIDATES, tokens=BLOCKING_TUNE_TOKENS, rounds: int = 3,
+                  threads: int | None = None) -> dict:
+    """Measures how many weight blocks a many-token product should walk K with on this machine, on these
+    packed experts (the engine's own), and sets it. Each candidate runs at each token count (prefill- and
+    beam-sized groups), interleaved, on a different expert each time (they must stream from DRAM: callers
+    pass more bytes than the last-level cache); the choice is fastest_blocking's. Keeps what is set where
+    the experts are too few bytes to measure. FIDDLER_KERNEL_SUPER_BLOCKS overrides it."""
+    env = os.environ.get("FIDDLER_KERNEL_SUPER_BLOCKS")
+    if env:
+        set_super_blocks(int(env), source="FIDDLER_KERNEL_SUPER_BLOCKS")
+        return blocking_choice()
+    experts = [e for e in experts if isinstance(e, PackedExpert)]
+    if not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+        return blocking_choice()  # too few bytes to measure the DRAM regime: keep what is set
+    hidden = experts[0].hidden
+    experts = [e for e in experts if e.hidden == hidden]
+    prev, prev_choice = blocking()["super_blocks"], dict(_BLOCKING_CHOICE)
+    best = {c: {t: float("inf") for t in tokens} for c in candidates}
+    xs = {t: torch.ones(t, hidden, dtype=torch.bfloat16) for t in tokens}
+    L, i, done = _L(), 0, False
+    try:
+        for _ in range(max(1, rounds)):
+            for t in tokens:
+                for c in candidates:
+                    _lib.check(L.fk_set_super_blocks(int(c)))
+                    e = experts[i % len(experts)]
+                    i += 1
+                    t0 = time.perf_counter()
+                    e.forward(xs[t], threads=threads)
+                    best[c][t] = min(best[c][t], time.perf_counter() - t0)
+        done = True
+    finally:
+        if not done:
+            _lib.check(L.fk_set_super_blocks(int(prev)))
+            _BLOCKING_CHOICE.clear()
+            _BLOCKING_CHOICE.update(prev_choice)
+    chosen = fastest_blocking(best)
+    set_super_blocks(chosen, source=f"tune_blocking: measured on {len(experts)} experts of {hidden}x{experts[0].ffn}")
+    _BLOCKING_CHOICE["ms"] = {c: {t: round(s * 1e3, 3) for t, s in ts.items()} for c, ts in best.items()}
+    return blocking_choice()
+
+
 def isa() -> str:
     """The active vector path: "avx512_bf16", "avx2" or "generic" (AMX use: see `features()`)."""
     return _ISA_NAMES[_L().fk_isa()]
@@ -171,13 +242,15 @@ def features() -> dict:
         amx_status=L.fk_amx_status().decode(),
         stream=stream(),
         blocking=blocking(),
+        blocking_source=_BLOCKING_CHOICE.get("source"),
     )
     return out
 
 
 def blocking(l1d: int = 0, l2: int = 0) -> dict:
     """The blocking of many-token products (more rows than one micro-kernel call takes), derived from the
-    cache sizes of this CPU (or of the given ones, both > 0): {"k_chunk", "token_chunk", "super_blocks",
+    cache sizes of this CPU with the super-blocks set here (set_super_blocks, tune_blocking), or of the
+    given ones (both > 0) with the default super-blocks: {"k_chunk", "token_chunk", "super_blocks",
     "l1d", "l2"}. Results do not depend on it (the same bits for every blocking)."""
     out = (ctypes.c_int64 * 5)()
     _L().fk_blocking(int(l1d), int(l2), out)

@@ -51,6 +51,7 @@ FK_API int64_t fk_stream_far() { return stream_tuning().far; }
 FK_API const char* fk_stream_source() { return stream_tuning_source(); }
 // Many-token blocking: out[0..4] = K chunk, token chunk, super-blocks, L1d bytes, L2 bytes; for the
 // given cache sizes (both > 0) or, with zeros, this CPU's.
+FK_API int fk_set_super_blocks(int64_t n) { return set_super_blocks(n); }
 FK_API void fk_blocking(int64_t l1d, int64_t l2, int64_t* out) {
   const Blocking b = l1d > 0 && l2 > 0 ? derive_blocking(l1d, l2) : blocking();
   const int64_t v[5] = {b.k_chunk, b.token_chunk, b.super_blocks, b.l1d, b.l2};

@@ -111,7 +111,7 @@ struct Piece {
 template <class Src, class Epi>
 void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items, int threads,
                        const Src& src, const Epi& epi) {
-  const Blocking& bk = blocking();
+  const Blocking bk = blocking();
   const int64_t kSuperBlocks = bk.super_blocks, kTokenChunk = bk.token_chunk, kManyChunkK = bk.k_chunk;
   const int64_t bb = block_bytes(k_pad);
   const int mr = p.ops->mr;

@@ -76,8 +76,10 @@ const char* stream_tuning_source();
 struct Blocking {
   int64_t k_chunk, token_chunk, super_blocks, l1d, l2;
 };
-Blocking derive_blocking(int64_t l1d, int64_t l2);
-const Blocking& blocking();  // this CPU's, derived once
+constexpr int64_t kDefaultSuperBlocks = 8, kMaxSuperBlocks = 64;
+Blocking derive_blocking(int64_t l1d, int64_t l2, int64_t super_blocks = 0);  // 0: the default
+Blocking blocking();  // this CPU's caches, with the super-blocks set by set_super_blocks
+int set_super_blocks(int64_t n);  // 0 (the default) or 1..kMaxSuperBlocks; 0 or an error (fail)
 
 // ---------------------------------------------------------------- thread pool (fk_pool.cpp)
 // Persistent workers plus the calling thread share a job's items (weight blocks) dynamically:

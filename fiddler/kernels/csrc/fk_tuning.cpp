@@ -6,7 +6,9 @@
 // environment variable (FIDDLER_KERNEL_STREAM) override it, and can measure the candidates on the
 // running machine and keep the fastest (fiddler.kernels.tune_stream). The choice is reported by
 // fiddler.kernels.features() and in benchmark records.
+#include <atomic>
 #include <cstring>
+#include <string>
 
 #include <unistd.h>
 
@@ -129,14 +131,19 @@ const char* stream_tuning_source() {
 // - K chunk: the largest power of two (128..2048) whose piece of one 32-row block (32 x kc bf16)
 //   fills at most 2/3 of L1d, so it stays there while every token group of the chunk uses it;
 // - token chunk: the largest multiple of 32 (32..512) whose fp32 accumulators for a super-block
-//   (kSuperBlocks x 2 groups x 32 rows) plus its rows' piece (kc bf16 each) fill at most 3/8 of L2,
+//   (super_blocks x 2 groups x 32 rows) plus its rows' piece (kc bf16 each) fill at most 3/8 of L2,
 //   leaving room for the next piece the calls pull in.
+// - super-blocks (weight blocks a pool item walks K with): 8 unless set (set_super_blocks; the engine
+//   measures candidates on its own experts, fiddler.kernels.tune_blocking). Fewer blocks per item means
+//   fewer weight streams at once per core and less reuse of each rows' piece: which wins is a property of
+//   the machine (an Intel Xeon, family 6 model 167, read a Mixtral-8x7B expert at 64 tokens in 25.9 ms
+//   with 8 and 19.2 ms with 2).
 // Measured on an Intel Xeon (Emerald Rapids, 48 KiB L1d, 2 MiB L2): kc 512 and 256 rows, as derived.
-Blocking derive_blocking(int64_t l1d, int64_t l2) {
+Blocking derive_blocking(int64_t l1d, int64_t l2, int64_t super_blocks) {
   Blocking b{};
   b.l1d = l1d > 0 ? l1d : 32 << 10;
   b.l2 = l2 > 0 ? l2 : 1 << 20;
-  b.super_blocks = 8;
+  b.super_blocks = super_blocks > 0 ? super_blocks : kDefaultSuperBlocks;
   b.k_chunk = 128;
   while (b.k_chunk < 2048 && 32 * (2 * b.k_chunk) * 2 <= b.l1d * 2 / 3) b.k_chunk *= 2;
   const int64_t per_row = b.super_blocks * 2 * kBlockN * 4 + b.k_chunk * 2;
@@ -144,15 +151,33 @@ Blocking derive_blocking(int64_t l1d, int64_t l2) {
   return b;
 }
 
-const Blocking& blocking() {
-  static const Blocking b = [] {
-#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-    return derive_blocking(sysconf(_SC_LEVEL1_DCACHE_SIZE), sysconf(_SC_LEVEL2_CACHE_SIZE));
+namespace {
+std::atomic<int64_t> g_super_blocks{0};  // 0: the default
+}  // namespace
+
+Blocking blocking() {
+  static const int64_t l1d = [] {
+#if defined(_SC_LEVEL1_DCACHE_SIZE)
+    return int64_t(sysconf(_SC_LEVEL1_DCACHE_SIZE));
 #else
-    return derive_blocking(0, 0);
+    return int64_t(0);
 #endif
   }();
-  return b;
+  static const int64_t l2 = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    return int64_t(sysconf(_SC_LEVEL2_CACHE_SIZE));
+#else
+    return int64_t(0);
+#endif
+  }();
+  return derive_blocking(l1d, l2, g_super_blocks.load(std::memory_order_relaxed));
+}
+
+int set_super_blocks(int64_t n) {
+  if (n < 0 || n > kMaxSuperBlocks)
+    return fail("super-blocks must be 0 (the default) or 1.." + std::to_string(kMaxSuperBlocks));
+  g_super_blocks = n;
+  return 0;
 }
 
 }  // namespace fk

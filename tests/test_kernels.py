@@ -148,7 +148,7 @@ def test_blocking_tuning_measures_sets_and_can_be_overridden(monkeypatch):
         # injected times, per token count (64, then 256), per candidate (2, 8): 2 is faster at both
         clock = _ScriptedClock([2e-3, 3e-3, 5e-3, 6e-3])
         monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-        got = fk.tune_blocking([e] * 4, candidates=(2, 8), rounds=1)
+        got = fk.tune_blocking([e] * 4, candidates=(2, 8), tokens=(64, 256), rounds=1)
         assert not clock.durations
         assert got["source"].startswith("tune_blocking: measured on 4 experts") and got["super_blocks"] == 2
         assert got["ms"] == {2: {64: 2.0, 256: 5.0}, 8: {64: 3.0, 256: 6.0}} and fk.blocking()["super_blocks"] == 2

@@ -151,7 +151,7 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
 
 _BLOCKING_CHOICE: dict = {"source": "default"}  # how the super-blocks were set (blocking_choice())
 BLOCKING_TUNE_CANDIDATES = (2, 4, 8)
-BLOCKING_TUNE_TOKENS = (64, 256)
+BLOCKING_TUNE_TOKENS = (64, 256, 512)
 
 
 def set_super_blocks(n: int | None, source: str = "set_super_blocks") -> None:

@@ -129,12 +129,25 @@ def test_results_do_not_depend_on_the_super_blocks(path):
         fk.set_super_blocks(-1)
 
 
-def test_fastest_blocking_weighs_every_token_count():
-    # 2 wins at 64 tokens by 30% and loses at 256 by 5%: 2 is chosen
-    assert fk.fastest_blocking({2: {64: 19.0, 256: 49.0}, 8: {64: 26.0, 256: 46.7}}) == 2
-    # a small win at one count against a large loss at the other: 8
-    assert fk.fastest_blocking({2: {64: 25.0, 256: 60.0}, 8: {64: 26.0, 256: 46.0}}) == 8
-    assert fk.fastest_blocking({2: {64: 1.0}, 4: {64: 1.0}}) == 4  # a tie keeps the larger
+def test_fastest_blocking_is_chosen_per_token_count():
+    got = fk.fastest_blocking({2: {64: 19.0, 256: 49.0, 512: 19.1}, 4: {64: 20.0, 256: 49.0, 512: 18.2},
+                               8: {64: 26.0, 256: 55.0, 512: 18.5}})
+    assert got == {64: 2, 256: 4, 512: 4}  # a tie (256) keeps the larger candidate
+
+
+def test_super_blocks_per_token_count():
+    try:
+        fk.set_super_blocks({64: 2, 256: 4})
+        assert [fk.super_blocks_for(t) for t in (1, 64, 65, 256, 4096)] == [2, 2, 4, 4, 4]
+        assert fk.blocking_choice() == {"super_blocks": {64: 2, 256: 4}, "source": "set_super_blocks"}
+        fk.set_super_blocks(3)
+        assert fk.super_blocks_for(1) == fk.super_blocks_for(10**6) == 3 == fk.blocking()["super_blocks"]
+        for bad in (0.5, {64: 0}, {0: 2}, 65, {64: 2.0}):
+            with pytest.raises(ValueError, match="super-blocks"):
+                fk.set_super_blocks(bad)
+    finally:
+        fk.set_super_blocks(None)
+    assert fk.super_blocks_for(64) == 8 and fk.blocking_choice() == {"super_blocks": 8, "source": "default"}
 
 
 def test_blocking_tuning_measures_sets_and_can_be_overridden(monkeypatch):
@@ -145,13 +158,14 @@ def test_blocking_tuning_measures_sets_and_can_be_overridden(monkeypatch):
         # a few KB cannot show the DRAM regime: nothing is measured, the default stays
         assert fk.tune_blocking([e]) == {"super_blocks": 8, "source": "default"}
         monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
-        # injected times, per token count (64, then 256), per candidate (2, 8): 2 is faster at both
-        clock = _ScriptedClock([2e-3, 3e-3, 5e-3, 6e-3])
+        # injected times, per token count (64, then 256), per candidate (2, 8): 2 wins at 64, 8 at 256
+        clock = _ScriptedClock([2e-3, 3e-3, 6e-3, 5e-3])
         monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
         got = fk.tune_blocking([e] * 4, candidates=(2, 8), tokens=(64, 256), rounds=1)
         assert not clock.durations
-        assert got["source"].startswith("tune_blocking: measured on 4 experts") and got["super_blocks"] == 2
-        assert got["ms"] == {2: {64: 2.0, 256: 5.0}, 8: {64: 3.0, 256: 6.0}} and fk.blocking()["super_blocks"] == 2
+        assert got["source"].startswith("tune_blocking: measured on 4 experts") and got["super_blocks"] == {64: 2, 256: 8}
+        assert got["ms"] == {2: {64: 2.0, 256: 6.0}, 8: {64: 3.0, 256: 5.0}}
+        assert (fk.super_blocks_for(32), fk.super_blocks_for(100), fk.super_blocks_for(5000)) == (2, 8, 8)
         monkeypatch.setenv("FIDDLER_KERNEL_SUPER_BLOCKS", "4")
         assert fk.tune_blocking([e]) == {"super_blocks": 4, "source": "FIDDLER_KERNEL_SUPER_BLOCKS"}
     finally:

@@ -27,7 +27,7 @@ from . import _lib
 
 __all__ = [
     "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "set_amx", "features", "set_num_threads",
-    "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "tune_blocking", "set_super_blocks", "blocking_choice", "read_limit", "limit_buffer", "stream_working_set_bytes",
+    "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "tune_blocking", "set_super_blocks", "super_blocks_for", "blocking_choice", "read_limit", "limit_buffer", "stream_working_set_bytes",
     "is_available", "load_error", "blocking",
 ]
 
@@ -154,36 +154,48 @@ BLOCKING_TUNE_CANDIDATES = (2, 4, 8)
 BLOCKING_TUNE_TOKENS = (64, 256, 512)
 
 
-def set_super_blocks(n: int | None, source: str = "set_super_blocks") -> None:
-    """Weight blocks (32 rows each) a many-token product walks K with, per pool item: None or 0 for the
-    default (8). Results do not depend on it (the same bits for every blocking)."""
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 64):
-        raise ValueError(f"super-blocks must be None/0 (the default) or an int in 1..64, got {n!r}")
-    _lib.check(_L().fk_set_super_blocks(int(n or 0)))
+def set_super_blocks(n: int | dict[int, int] | None, source: str = "set_super_blocks") -> None:
+    """Weight blocks (32 rows each) a many-token product walks K with, per pool item: one int for every
+    call, {tokens: n} for calls of up to that many token rows (the largest entry also serves more), or
+    None for the default (8). Results do not depend on it (the same bits for every blocking)."""
+    table = {} if not n else ({1 << 62: n} if not isinstance(n, dict) else dict(sorted(n.items())))
+    for t, v in table.items():
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64 or not isinstance(t, int) or t < 1:
+            raise ValueError(f"super-blocks must be None, an int in 1..64 or {{tokens: int in 1..64}}, got {n!r}")
+    rows = (ctypes.c_int64 * max(1, len(table)))(*table.keys())
+    vals = (ctypes.c_int64 * max(1, len(table)))(*table.values())
+    _lib.check(_L().fk_set_super_blocks(rows, vals, len(table)))
     _BLOCKING_CHOICE.clear()
-    _BLOCKING_CHOICE.update(source=source if n else "default")
+    _BLOCKING_CHOICE.update(source=source if table else "default", set=n or None)
+
+
+def super_blocks_for(tokens: int) -> int:
+    """The super-blocks a product of `tokens` token rows uses."""
+    return int(_L().fk_super_blocks_for(int(tokens)))
 
 
 def blocking_choice() -> dict:
-    """{"super_blocks", "source"} (+ "ms": {super_blocks: {tokens: ms}} when tune_blocking measured it)."""
-    return {"super_blocks": blocking()["super_blocks"], **_BLOCKING_CHOICE}
+    """{"super_blocks": {tokens: n} (measured or set per token count) or n, "source"} (+ "ms":
+    {super_blocks: {tokens: ms}} when tune_blocking measured it)."""
+    sb = _BLOCKING_CHOICE.get("set") or super_blocks_for(1 << 62)
+    return {"super_blocks": sb, **{k: v for k, v in _BLOCKING_CHOICE.items() if k != "set"}}
 
 
-def fastest_blocking(times: dict[int, dict[int, float]]) -> int:
-    """The candidate with the least summed time relative to each token count's best; times:
-    {super_blocks: {tokens: seconds}}. A tie keeps the larger candidate (the default's side)."""
-    best = {t: min(times[c][t] for c in times) for t in next(iter(times.values()))}
-    score = {c: sum(times[c][t] / best[t] for t in best) for c in times}
-    return min(sorted(times, reverse=True), key=lambda c: score[c])
+def fastest_blocking(times: dict[int, dict[int, float]]) -> dict[int, int]:
+    """For each token count, the candidate with the least time; times: {super_blocks: {tokens: seconds}}.
+    A tie keeps the larger candidate (the default's side)."""
+    counts = next(iter(times.values()))
+    return {t: min(sorted(times, reverse=True), key=lambda c: times[c][t]) for t in counts}
 
 
 def tune_blocking(experts, candidates=BLOCKING_TUNE_CANDIDATES, tokens=BLOCKING_TUNE_TOKENS, rounds: int = 3,
                   threads: int | None = None) -> dict:
-    """Measures how many weight blocks a many-token product should walk K with on this machine, on these
-    packed experts (the engine's own), and sets it. Each candidate runs at each token count (prefill- and
-    beam-sized groups), interleaved, on a different expert each time (they must stream from DRAM: callers
-    pass more bytes than the last-level cache); the choice is fastest_blocking's. Keeps what is set where
-    the experts are too few bytes to measure. FIDDLER_KERNEL_SUPER_BLOCKS overrides it."""
+    """Measures how many weight blocks a many-token product should walk K with on this machine, per token
+    count, on these packed experts (the engine's own), and sets it: calls up to each measured count use its
+    fastest candidate (fastest_blocking). Each candidate runs at each count, interleaved, on a different
+    expert each time (they must stream from DRAM: callers pass more bytes than the last-level cache).
+    Keeps what is set where the experts are too few bytes to measure. FIDDLER_KERNEL_SUPER_BLOCKS (one
+    int for every count) overrides it."""
     env = os.environ.get("FIDDLER_KERNEL_SUPER_BLOCKS")
     if env:
         set_super_blocks(int(env), source="FIDDLER_KERNEL_SUPER_BLOCKS")
@@ -193,29 +205,26 @@ def tune_blocking(experts, candidates=BLOCKING_TUNE_CANDIDATES, tokens=BLOCKING_
         return blocking_choice()  # too few bytes to measure the DRAM regime: keep what is set
     hidden = experts[0].hidden
     experts = [e for e in experts if e.hidden == hidden]
-    prev, prev_choice = blocking()["super_blocks"], dict(_BLOCKING_CHOICE)
+    prev = dict(_BLOCKING_CHOICE)
     best = {c: {t: float("inf") for t in tokens} for c in candidates}
     xs = {t: torch.ones(t, hidden, dtype=torch.bfloat16) for t in tokens}
-    L, i, done = _L(), 0, False
+    i = 0
     try:
         for _ in range(max(1, rounds)):
             for t in tokens:
                 for c in candidates:
-                    _lib.check(L.fk_set_super_blocks(int(c)))
+                    set_super_blocks(int(c))
                     e = experts[i % len(experts)]
                     i += 1
                     t0 = time.perf_counter()
                     e.forward(xs[t], threads=threads)
                     best[c][t] = min(best[c][t], time.perf_counter() - t0)
-        done = True
-    finally:
-        if not done:
-            _lib.check(L.fk_set_super_blocks(int(prev)))
-            _BLOCKING_CHOICE.clear()
-            _BLOCKING_CHOICE.update(prev_choice)
+    except BaseException:
+        set_super_blocks(prev.get("set"), source=prev.get("source", "default"))
+        raise
     chosen = fastest_blocking(best)
     set_super_blocks(chosen, source=f"tune_blocking: measured on {len(experts)} experts of {hidden}x{experts[0].ffn}")
-    _BLOCKING_CHOICE["ms"] = {c: {t: round(s * 1e3, 3) for t, s in ts.items()} for c, ts in best.items()}
+    _BLOCKING_CHOICE.update(ms={c: {t: round(s * 1e3, 3) for t, s in ts.items()} for c, ts in best.items()})
     return blocking_choice()
 
 

@@ -89,7 +89,8 @@ def _declare(l: ctypes.CDLL) -> None:
         "fk_stream_distance": (c.c_int64, []),
         "fk_stream_source": (c.c_char_p, []),
         "fk_blocking": (None, [c.c_int64, c.c_int64, c.POINTER(c.c_int64)]),
-        "fk_set_super_blocks": (c.c_int, [c.c_int64]),
+        "fk_set_super_blocks": (c.c_int, [c.POINTER(c.c_int64), c.POINTER(c.c_int64), c.c_int]),
+        "fk_super_blocks_for": (c.c_int64, [c.c_int64]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(l, name)

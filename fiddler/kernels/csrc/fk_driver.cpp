@@ -102,7 +102,7 @@ struct Piece {
 //  - token rows go `token_chunk` at a time; their fp32 accumulators for the super-block stay in L2;
 //  - K goes `k_chunk` columns at a time: one block's piece (32 x 512 bf16, 32 KiB, on a 48 KiB L1d)
 //    stays in L1 while every token group uses it, and the rows' piece in L2 while every block does.
-//  The sizes come from this CPU's caches (blocking(), fk_tuning.cpp).
+//  The sizes come from this CPU's caches and the super-blocks set for this many rows (blocking(), fk_tuning.cpp).
 //  Along the way each piece's calls pull the piece this thread reads after it into L2 (the same
 //  block's next K chunk, else the next token chunk's or the next super-block's first), so the DRAM
 //  stream runs under the compute.
@@ -111,7 +111,7 @@ struct Piece {
 template <class Src, class Epi>
 void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items, int threads,
                        const Src& src, const Epi& epi) {
-  const Blocking bk = blocking();
+  const Blocking bk = blocking(p.rows);
   const int64_t kSuperBlocks = bk.super_blocks, kTokenChunk = bk.token_chunk, kManyChunkK = bk.k_chunk;
   const int64_t bb = block_bytes(k_pad);
   const int mr = p.ops->mr;

@@ -77,9 +77,13 @@ struct Blocking {
   int64_t k_chunk, token_chunk, super_blocks, l1d, l2;
 };
 constexpr int64_t kDefaultSuperBlocks = 8, kMaxSuperBlocks = 64;
+constexpr int kMaxSuperBlockEntries = 8;
 Blocking derive_blocking(int64_t l1d, int64_t l2, int64_t super_blocks = 0);  // 0: the default
-Blocking blocking();  // this CPU's caches, with the super-blocks set by set_super_blocks
-int set_super_blocks(int64_t n);  // 0 (the default) or 1..kMaxSuperBlocks; 0 or an error (fail)
+// this CPU's caches, with the super-blocks set for calls of `rows` token rows
+Blocking blocking(int64_t rows = INT64_MAX);
+// n entries: calls of up to rows[i] rows (increasing; the last also serves more) use values[i] super-blocks
+// (1..kMaxSuperBlocks); n = 0: the default for all. 0 or an error (fail)
+int set_super_blocks(const int64_t* rows, const int64_t* values, int n);
 
 // ---------------------------------------------------------------- thread pool (fk_pool.cpp)
 // Persistent workers plus the calling thread share a job's items (weight blocks) dynamically:

@@ -7,6 +7,7 @@
 // running machine and keep the fastest (fiddler.kernels.tune_stream). The choice is reported by
 // fiddler.kernels.features() and in benchmark records.
 #include <atomic>
+#include <mutex>
 #include <cstring>
 #include <string>
 
@@ -133,8 +134,8 @@ const char* stream_tuning_source() {
 // - token chunk: the largest multiple of 32 (32..512) whose fp32 accumulators for a super-block of the
 //   default size (8 x 2 groups x 32 rows) plus its rows' piece (kc bf16 each) fill at most 3/8 of L2,
 //   leaving room for the next piece the calls pull in.
-// - super-blocks (weight blocks a pool item walks K with): 8 unless set (set_super_blocks; the engine
-//   measures candidates on its own experts, fiddler.kernels.tune_blocking). Fewer blocks per item means
+// - super-blocks (weight blocks a pool item walks K with): 8 unless set, per range of token counts
+//   (set_super_blocks; the engine measures candidates on its own experts, fiddler.kernels.tune_blocking). Fewer blocks per item means
 //   fewer weight streams at once per core and less reuse of each rows' piece: which wins is a property of
 //   the machine (an Intel Xeon, family 6 model 167, read a Mixtral-8x7B expert at 64 tokens in 25.9 ms
 //   with 8 and 19.2 ms with 2).
@@ -154,31 +155,49 @@ Blocking derive_blocking(int64_t l1d, int64_t l2, int64_t super_blocks) {
 }
 
 namespace {
-std::atomic<int64_t> g_super_blocks{0};  // 0: the default
+// The super-blocks by token count: entry i serves calls of up to g_sb_rows[i] rows (the last entry
+// also serves more); no entries: the default. Set before the calls it serves (at load), read by them.
+std::atomic<int> g_sb_n{0};
+int64_t g_sb_rows[kMaxSuperBlockEntries], g_sb_value[kMaxSuperBlockEntries];
+std::mutex g_sb_mu;
+
+int64_t cache_size(int name) {
+  const long v = sysconf(name);
+  return v > 0 ? int64_t(v) : 0;
+}
 }  // namespace
 
-Blocking blocking() {
-  static const int64_t l1d = [] {
-#if defined(_SC_LEVEL1_DCACHE_SIZE)
-    return int64_t(sysconf(_SC_LEVEL1_DCACHE_SIZE));
+Blocking blocking(int64_t rows) {
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+  static const int64_t l1d = cache_size(_SC_LEVEL1_DCACHE_SIZE), l2 = cache_size(_SC_LEVEL2_CACHE_SIZE);
 #else
-    return int64_t(0);
+  static const int64_t l1d = 0, l2 = 0;
 #endif
-  }();
-  static const int64_t l2 = [] {
-#if defined(_SC_LEVEL2_CACHE_SIZE)
-    return int64_t(sysconf(_SC_LEVEL2_CACHE_SIZE));
-#else
-    return int64_t(0);
-#endif
-  }();
-  return derive_blocking(l1d, l2, g_super_blocks.load(std::memory_order_relaxed));
+  const int n = g_sb_n.load(std::memory_order_acquire);
+  int64_t sb = 0;
+  for (int i = 0; i < n; ++i) {
+    sb = g_sb_value[i];
+    if (rows <= g_sb_rows[i]) break;
+  }
+  return derive_blocking(l1d, l2, sb);
 }
 
-int set_super_blocks(int64_t n) {
-  if (n < 0 || n > kMaxSuperBlocks)
-    return fail("super-blocks must be 0 (the default) or 1.." + std::to_string(kMaxSuperBlocks));
-  g_super_blocks = n;
+int set_super_blocks(const int64_t* rows, const int64_t* values, int n) {
+  if (n < 0 || n > kMaxSuperBlockEntries || (n > 0 && (!rows || !values)))
+    return fail("super-blocks: at most " + std::to_string(kMaxSuperBlockEntries) + " entries");
+  for (int i = 0; i < n; ++i) {
+    if (values[i] < 1 || values[i] > kMaxSuperBlocks)
+      return fail("super-blocks must be 1.." + std::to_string(kMaxSuperBlocks) + ", got " + std::to_string(values[i]));
+    if (rows[i] < 1 || (i > 0 && rows[i] <= rows[i - 1]))
+      return fail("super-blocks: token counts must be positive and increasing");
+  }
+  std::lock_guard<std::mutex> g(g_sb_mu);
+  g_sb_n.store(0, std::memory_order_release);
+  for (int i = 0; i < n; ++i) {
+    g_sb_rows[i] = rows[i];
+    g_sb_value[i] = values[i];
+  }
+  g_sb_n.store(n, std::memory_order_release);
   return 0;
 }
 

@@ -20,8 +20,8 @@ What one MoE layer costs (mixtral_forward, #L476-648), one thing at a time on on
   then computes;
 - then the CPU experts one by one (#L623-637): the rows copied to the host (`.to("cpu")`, which waits for the
   GPU), the expert in PyTorch bf16 on `torch.set_num_threads(16)` threads (#L374, #L650-654), the result back;
-- placement (#L351-361): the experts that fit 95% of the card's memory after the non-expert weights, by
-  popularity (#L72-338's order comes from a profile; the project's reference profile of the same model
+- placement (#L351-361): the experts that fit 95% of the card's memory after what is allocated then (the
+  non-expert weights and the one-expert `expert_placeholder`, #L24-26), by popularity (#L72-338's order comes from a profile; the project's reference profile of the same model
   stands in for it).
 Beam search (#L363-467): the prompt replicated beam_width times and prefilled as one batch, the top beam_width
 tokens at the first step, then each beam greedy: decode forwards of beam_width rows. Tokens per second: one
@@ -57,6 +57,9 @@ PARAMS: dict[str, Cited] = {
     "plan_minimises_sum": Cited(True, f"{_SRC}#L576-590",
                                 "the brute force over 2^8 keeps the lowest sum of costs; a tie keeps the GPU"),
     "gpu_memory_fraction": Cited(0.95, f"{_SRC}#L359-361", "experts fill 95% of the card after the non-experts"),
+    "placeholder_counted": Cited(True, f"{_SRC}#L24-26 + {_SRC}#L44-48 + {_SRC}#L360",
+                                 "the GPU expert_placeholder is allocated before calc_n_expert_on_gpu, so "
+                                 "memory_allocated counts it: one expert fewer on the GPU"),
     "placement_by_popularity": Cited(True, f"{_SRC}#L72-76 + {_SRC}#L336-338",
                                      "the most popular experts of a profile on the GPU"),
     "non_experts_on_gpu": Cited(True, f"{_SRC}#L60-70", "embeddings, attention, norms, routers, lm_head"),
@@ -114,8 +117,11 @@ class FiddlerOriginalSimPolicy(SimPolicy):
         eb = ctx.costs.expert_bytes
         non_expert = (c.num_layers * ctx.costs.layer_bytes + ctx.costs.head_bytes
                       + c.vocab_size * c.hidden_size * ctx.costs.itemsize)
+        # torch.cuda.memory_allocated at calc_n_expert_on_gpu (#L360): the non-experts (#L44) and the
+        # expert_placeholder, a GPU copy of one expert made in __init__ before both (#L24-26)
+        allocated = non_expert + (eb if PARAMS["placeholder_counted"].value else 0)
         card = ctx.gpu_budget_bytes
-        n_gpu = max(0, int((card * PARAMS["gpu_memory_fraction"].value - non_expert) // eb))
+        n_gpu = max(0, int((card * PARAMS["gpu_memory_fraction"].value - allocated) // eb))
         pop = Popularity.for_config(c, ctx.popularity)
         shares = np.asarray(pop.shares(), dtype=np.float64)  # [layers, experts]
         order = sorted(((-shares[l, e], l, e) for l in range(c.num_moe_layers) for e in range(c.num_experts)))

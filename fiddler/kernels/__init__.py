@@ -105,6 +105,15 @@ def amx_crossover(times: dict[int, tuple[float, float]]) -> int:
     return chosen
 
 
+def _streaming_experts(experts) -> list:
+    """The packed experts of the first one's width, for a tuning that must stream from DRAM: [] unless
+    all the packed experts given hold more than twice the last-level cache."""
+    experts = [e for e in experts if isinstance(e, PackedExpert)]
+    if not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+        return []
+    return [e for e in experts if e.hidden == experts[0].hidden]
+
+
 def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: int | None = None) -> dict:
     """Measures from how many tokens AMX tiles beat the vector path, on these packed experts (the engine's
     own: the decode and prefill regime they run in) and sets it. Each candidate token count runs with
@@ -119,11 +128,10 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
     if env:
         set_amx("on", int(env), source="FIDDLER_KERNEL_AMX_MIN_TOKENS")
         return amx_choice()
-    experts = [e for e in experts if isinstance(e, PackedExpert)]
-    if not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+    experts = _streaming_experts(experts)
+    if not experts:
         return amx_choice()  # too few bytes to measure the DRAM regime: keep what is set
     hidden = experts[0].hidden
-    experts = [e for e in experts if e.hidden == hidden]
     prev = int(L.fk_amx_min_tokens())
     best = {c: [float("inf"), float("inf")] for c in candidates}  # [amx, vector] seconds
     xs = {c: torch.ones(c, hidden, dtype=torch.bfloat16) for c in candidates}
@@ -200,11 +208,10 @@ def tune_blocking(experts, candidates=BLOCKING_TUNE_CANDIDATES, tokens=BLOCKING_
     if env:
         set_super_blocks(int(env), source="FIDDLER_KERNEL_SUPER_BLOCKS")
         return blocking_choice()
-    experts = [e for e in experts if isinstance(e, PackedExpert)]
-    if not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+    experts = _streaming_experts(experts)
+    if not experts:
         return blocking_choice()  # too few bytes to measure the DRAM regime: keep what is set
     hidden = experts[0].hidden
-    experts = [e for e in experts if e.hidden == hidden]
     prev = dict(_BLOCKING_CHOICE)
     best = {c: {t: float("inf") for t in tokens} for c in candidates}
     xs = {t: torch.ones(t, hidden, dtype=torch.bfloat16) for t in tokens}

@@ -51,17 +51,17 @@ FK_API int64_t fk_stream_far() { return stream_tuning().far; }
 FK_API const char* fk_stream_source() { return stream_tuning_source(); }
 // Many-token blocking: out[0..4] = K chunk, token chunk, super-blocks, L1d bytes, L2 bytes; for the
 // given cache sizes (both > 0) or, with zeros, this CPU's.
+FK_API void fk_blocking(int64_t l1d, int64_t l2, int64_t* out) {
+  const Blocking b = l1d > 0 && l2 > 0 ? derive_blocking(l1d, l2) : blocking();
+  const int64_t v[5] = {b.k_chunk, b.token_chunk, b.super_blocks, b.l1d, b.l2};
+  for (int i = 0; i < 5; ++i) out[i] = v[i];
+}
 // calls of up to rows[i] token rows use values[i] super-blocks (n entries; 0: the default)
 FK_API int fk_set_super_blocks(const int64_t* rows, const int64_t* values, int n) {
   return set_super_blocks(rows, values, n);
 }
 // the super-blocks a call of `rows` token rows uses
 FK_API int64_t fk_super_blocks_for(int64_t rows) { return blocking(rows).super_blocks; }
-FK_API void fk_blocking(int64_t l1d, int64_t l2, int64_t* out) {
-  const Blocking b = l1d > 0 && l2 > 0 ? derive_blocking(l1d, l2) : blocking();
-  const int64_t v[5] = {b.k_chunk, b.token_chunk, b.super_blocks, b.l1d, b.l2};
-  for (int i = 0; i < 5; ++i) out[i] = v[i];
-}
 
 // ---------------------------------------------------------------- packing and drivers
 FK_API int64_t fk_packed_bytes(int64_t n, int64_t k, int groups) { return packed_bytes(n, k, groups); }

@@ -8,8 +8,9 @@ Every choice below is a `Cited` parameter in PARAMS (baselines/citations.py); `s
 paper's rule in this project's engine, `system=fiddler` the project's planner.
 
 What one MoE layer costs (mixtral_forward, #L476-648), one thing at a time on one timeline:
-- attention, norms and router on the GPU in transformers' eager modules (#L486-505): the GPU class's
-  per-layer floor of transformers' Mixtral (`hf_layer_overhead_s`), or the roofline if longer;
+- attention, norms and router on the GPU in transformers' eager modules (#L486-505), and the plan's
+  `torch.where` per expert and Python brute force (#L556-590): the GPU class's measured cost of exactly that
+  loop under transformers 4.36.2 (`release_layer_overhead_s`), or the roofline if longer;
 - the plan (#L556-590): expert e with n tokens costs n x latency_cpu on the CPU, latency_gpu on the GPU
   (0 when resident); the brute force over 2^8 assignments minimises the *sum* of costs (its comment says the
   max), so each expert independently takes the cheaper side, a tie going to the GPU (config 0 is tried first
@@ -73,6 +74,10 @@ PARAMS: dict[str, Cited] = {
     "cpu_threads": Cited(16, f"{_SRC}#L374", "torch.set_num_threads(16)"),
     "activations_to_cpu_sync": Cited(True, f"{_SRC}#L626-636", "rows .to('cpu'), results .to(dev)"),
     "hf_layer_modules": Cited(True, f"{_SRC}#L486-505", "transformers' eager attention and norms per layer"),
+    "layer_overhead": Cited("release_layer_overhead_s",
+                            "results/measured/2026-12-04-h200-hf-layer-overhead/hf436_8x7b.json",
+                            "the GPU class's cost per layer of #L482-590 outside the experts (module calls and "
+                            "plan), measured under transformers 4.36.2 (requirements.txt#L3) on an H200 host"),
     "beam_prompt_replicated": Cited(True, f"{_SRC}#L458-467", "tokenize: the prompt beam_width times"),
     "beam_topk_then_greedy": Cited(True, f"{_SRC}#L413-426", "top-k at the first step, then top-1 per beam"),
     "tok_s_one_sequence": Cited(True, "efeslab/fiddler@227715b:benchmarks/latency.py#L67-80",
@@ -156,7 +161,7 @@ class FiddlerOriginalSimPolicy(SimPolicy):
         ids = routing.ids[layer]
         counts = np.bincount(ids.ravel(), minlength=ctx.config.expert_slots)
         nbytes, flops = costs.attention(step)
-        t = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES), hw.eff.gpu.hf_layer_overhead_s))
+        t = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES), hw.eff.gpu.release_layer_overhead_s))
         lc, lg = PARAMS["latency_cpu"].value, PARAMS["latency_gpu"].value
         gpu, cpu = [], []
         for e in range(ctx.config.expert_slots):

@@ -39,6 +39,10 @@ class GpuClass:
     #: the same floor for transformers' eager Mixtral (systems built on it: DeepSpeed, Mixtral-Offloading's
     #: released code)
     hf_layer_overhead_s: float
+    #: the released Fiddler's cost per decoder layer and step outside its experts (efeslab/fiddler@227715b
+    #: mixtral_forward under transformers 4.36.2: norms, attention, router, and its plan's torch.where per expert
+    #: and Python brute force); system=fiddler_original
+    release_layer_overhead_s: float
     pcie_fraction: float  # achieved / the environment's PCIe number (already pinned-copy rates: 1.0)
     pcie_latency_s: float
     sources: dict[str, str] = field(default_factory=dict)
@@ -84,6 +88,7 @@ FACTOR_RANGES: dict[str, FactorRange] = {
     "gpu.pcie_latency_s": FactorRange(0.0, 0.01, _FIXED_S, low_open=False),
     "gpu.engine_layer_overhead_s": FactorRange(0.0, 0.1, _LAYER_S, low_open=False),
     "gpu.hf_layer_overhead_s": FactorRange(0.0, 0.1, _LAYER_S, low_open=False),
+    "gpu.release_layer_overhead_s": FactorRange(0.0, 0.1, _LAYER_S, low_open=False),
 }
 
 
@@ -141,11 +146,12 @@ CPU_CLASSES: dict[str, CpuClass] = {
 }
 
 _H200 = "results/measured/2026-11-29-h200-device-check/bench.txt"
+_H200_HF = "results/measured/2026-12-04-h200-hf-layer-overhead"
 
 GPU_CLASSES: dict[str, GpuClass] = {
     "nvidia": GpuClass(
         "nvidia", bw_fraction=0.80, flops_fraction=0.60, launch_s=1e-5, engine_layer_overhead_s=1.2e-3,
-        hf_layer_overhead_s=1.7e-3, pcie_fraction=1.0, pcie_latency_s=1e-5,
+        hf_layer_overhead_s=1.7e-3, release_layer_overhead_s=1.644e-3, pcie_fraction=1.0, pcie_latency_s=1e-5,
         sources={
             "bw_fraction": "assumption (second-hand): memory-bound GEMV kernels reach 75-90% of the spec bandwidth",
             "flops_fraction": "assumption: cuBLAS bf16 GEMMs of 4096x14336 at tens to thousands of rows, 50-70% of "
@@ -156,6 +162,11 @@ GPU_CLASSES: dict[str, GpuClass] = {
                                        "are 0.4 ms at the H200's bandwidth -> about 1.2 ms per layer and step",
             "hf_layer_overhead_s": f"{_H200}: transformers on the same model decodes 72.0 tok/s = 13.9 ms per step "
                                    "-> about 1.7 ms per layer and step",
+            "release_layer_overhead_s": f"{_H200_HF}/hf436_8x7b.json: the released mixtral_forward's module calls "
+                                        "and plan (experts skipped) under transformers 4.36.2 at Mixtral-8x7B's "
+                                        "dims on an H200 with a 16-core Xeon host, 1.644 ms per layer and step "
+                                        "(median; 1.632 at small_mixtral's dims); of which the plan's torch.where "
+                                        "and Python brute force 0.84",
             "pcie_fraction": "the environments' PCIe numbers are pinned-copy rates already",
             "pcie_latency_s": "cudaMemcpyAsync issue latency, about 10 us",
         }),

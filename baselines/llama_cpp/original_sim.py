@@ -6,7 +6,8 @@ list only DeepSpeed-MII and Mixtral-Offloading), and the paper's setup text was 
 in llama.cpp in 2024 was `llama_beam_search` (examples/beam-search), removed on 2024-06-04 (ggml-org/llama.cpp
 0cd6bd3, "llama : remove beam search"); the build modelled is its parent, 5ca0944, the last one with it. Placement
 and kernels are today's llama_cpp policy (baselines/llama_cpp/sim.py): -ngl whole layers that fit the budget,
-llama.cpp's CPU factors. Since 2024-03-18 (2bf8d0f, "backend : offload large batches to GPU") the CUDA backend
+llama.cpp's CPU factors, scaled by what that build's F16 kernels do against today's bf16 ones (measured, PARAMS):
+its CUDA backend converts no BF16 tensor, so its 16-bit weights were F16. Since 2024-03-18 (2bf8d0f, "backend : offload large batches to GPU") the CUDA backend
 offloads an op with host weights to the GPU when its batch has >= 32 rows (ggml-cuda.cu offload_op), so that
 build streams a host layer's weights over PCIe for every prompt chunk: modelled as in sim.py
 (OFFLOAD_MIN_BATCH); a build before 2024-03-18 would not (stated in summary.md).
@@ -35,6 +36,7 @@ from .sim import OFFLOAD_MIN_BATCH, LlamaCppSimPolicy
 
 _LC = "ggml-org/llama.cpp@5ca0944a153b65724d51b2f484139aa25ccb7a8b"
 PREFIX_FILE = "results/measured/2026-12-03-small_mixtral-beam-prefix/beam_prefix.json"
+_F16 = "results/measured/2026-12-05-intel-xeon-llama-cpp-2024-f16/README.md"
 ROOT = Path(__file__).resolve().parents[2]
 
 PARAMS: dict[str, Cited] = {
@@ -53,6 +55,13 @@ PARAMS: dict[str, Cited] = {
     "ngl_fits_budget": Cited(True, "assumption: the paper's -ngl value is not stated in the Fiddler repository; "
                                    "as many whole layers as the card holds, as llama.cpp users set it", ""),
     "beam_prefix_measured": Cited(PREFIX_FILE, PREFIX_FILE, "the engine's beam search on the benchmark model"),
+    "gguf_type": Cited("f16", _F16, "16-bit weights of that build were F16: its CUDA backend converts no BF16 "
+                                    "tensor (ggml_get_to_fp16_cuda / ggml_get_to_fp32_cuda return nullptr, "
+                                    "then GGML_ASSERT), and BF16 GGUF did not exist before 2024-05"),
+    "cpu_decode_vs_today": Cited(1.034, _F16, "that build's F16 CPU decode over today's bf16 (the llama.cpp CPU "
+                                              "factors' basis), same host and model, interleaved; measured on the "
+                                              "Sapphire Rapids class, applied to every class"),
+    "cpu_prompt_vs_today": Cited(0.87, _F16, "the same for CPU prompt processing"),
 }
 
 PREFIX_MODES = ("measured", "prompt", "all_but_last")
@@ -83,6 +92,17 @@ class LlamaCppOriginalSimPolicy(LlamaCppSimPolicy):
         if beam_prefix not in PREFIX_MODES:
             raise ValueError(f"beam_prefix must be one of {PREFIX_MODES}, got {beam_prefix!r}")
         self.beam_prefix = beam_prefix
+
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        if self.quant != PARAMS["gguf_type"].value:
+            raise ValueError(f"llama_cpp_original models the 2024 build, whose 16-bit GPU weights were "
+                             f"{PARAMS['gguf_type'].value}; got quant={self.quant!r}")
+        f = dict(self.cpu_factors)  # today's factors, scaled to the 2024 build's F16 kernels
+        f["bw_fraction"] *= PARAMS["cpu_decode_vs_today"].value
+        f["gflops_per_core"] *= PARAMS["cpu_prompt_vs_today"].value
+        f["source"] = f"{f['source']}; x the 2024 build's F16 over today's bf16 ({_F16})"
+        self.cpu_factors = f
 
     def reset(self) -> None:
         super().reset()

@@ -6,11 +6,11 @@ list only DeepSpeed-MII and Mixtral-Offloading), and the paper's setup text was 
 in llama.cpp in 2024 was `llama_beam_search` (examples/beam-search), removed on 2024-06-04 (ggml-org/llama.cpp
 0cd6bd3, "llama : remove beam search"); the build modelled is its parent, 5ca0944, the last one with it. Placement
 and kernels are today's llama_cpp policy (baselines/llama_cpp/sim.py): -ngl whole layers that fit the budget,
-llama.cpp's CPU factors, scaled by what that build's F16 kernels do against today's bf16 ones (measured, PARAMS):
-its CUDA backend converts no BF16 tensor, so its 16-bit weights were F16. Since 2024-03-18 (2bf8d0f, "backend : offload large batches to GPU") the CUDA backend
-offloads an op with host weights to the GPU when its batch has >= 32 rows (ggml-cuda.cu offload_op), so that
-build streams a host layer's weights over PCIe for every prompt chunk: modelled as in sim.py
-(OFFLOAD_MIN_BATCH); a build before 2024-03-18 would not (stated in summary.md).
+llama.cpp's CPU factors, scaled by what that build's F16 kernels do against today's bf16 ones (measured,
+PARAMS): its CUDA backend converts no BF16 tensor, so its 16-bit weights were F16. Since 2024-03-18 (2bf8d0f,
+"backend : offload large batches to GPU") the CUDA backend offloads an op with host weights to the GPU when its
+batch has >= 32 rows (ggml-cuda.cu offload_op), so that build streams a host layer's weights over PCIe for
+every prompt chunk: modelled as in sim.py (OFFLOAD_MIN_BATCH); a build before 2024-03-18 would not (stated in summary.md).
 
 Beam search, per step (llama.cpp#L14907-14927 at 5ca0944): the newly common prefix decoded once
 (`llama_decode(... common_prefix_length ...)`, #L14914-14917), then for each beam one `llama_decode` over its

@@ -546,7 +546,7 @@ def test_amx_tuning_measures_sets_and_can_be_overridden(monkeypatch):
     try:
         e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
         # a few KB cannot show the DRAM regime: nothing is measured, the default stays
-        assert fk.tune_amx([e]) == {"min_tokens": 8, "source": "default"}
+        assert fk.tune_amx([e]) == {"min_tokens": 4, "source": "default"}
         monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
         # injected times (AMX, vector per candidate): AMX loses at 2 tokens and wins from 16
         clock = _ScriptedClock([3e-3, 2e-3, 4e-3, 9e-3])
@@ -558,7 +558,7 @@ def test_amx_tuning_measures_sets_and_can_be_overridden(monkeypatch):
         assert fk.tune_amx([e]) == {"min_tokens": 5, "source": "FIDDLER_KERNEL_AMX_MIN_TOKENS"}
     finally:
         fk.set_isa("auto")
-    assert fk.amx_choice() == {"min_tokens": 8, "source": "default"}
+    assert fk.amx_choice() == {"min_tokens": 4, "source": "default"}
 
 
 @pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")

@@ -90,12 +90,14 @@ int available_cpus() {
 namespace {
 std::atomic<int> g_isa{-1};            // -1: not configured yet (auto on first use)
 std::atomic<int> g_amx{kAmxOff};
-// Below this many tokens the vector path, above it AMX tiles (rows padded to 16). AMX's time is flat up
-// to 16 rows (memory-bound) and about 1.2x the vector path's at 1-2 tokens; the vector path turns
-// compute-bound at about 1.2 x its GFLOP/s / the read GB/s tokens: 5-6 on a 2-core Sapphire Rapids VM,
-// more where each core has less bandwidth. Measured per machine by fiddler.kernels.tune_amx (the
-// engine runs it on its own experts); this default only serves callers that do not.
-constexpr int kDefaultAmxMinTokens = 8;
+// Below this many tokens the vector path, from it AMX tiles (rows padded to 16). AMX's time is flat up
+// to 16 rows (memory-bound); the vector path turns compute-bound at about 1.2 x its GFLOP/s / the read
+// GB/s tokens. Since AMX prefetches each step's own lines into L1 (fk_amx_impl.h), tune_amx on a
+// Mixtral-8x7B expert (Intel Xeon, family 6 model 167, 2 vCPUs, 3 runs) read AMX 0.88-0.92x the vector
+// path's speed at 2 tokens, 1.01-1.05x at 3 and 1.08-1.11x at 4 (it was 8 before: AMX lost at 4-6).
+// Measured per machine by fiddler.kernels.tune_amx (the engine runs it on its own experts); this default
+// only serves callers that do not.
+constexpr int kDefaultAmxMinTokens = 4;
 std::atomic<int> g_amx_min_tokens{kDefaultAmxMinTokens};
 std::atomic<int> g_threads{0};         // 0: all CPUs this process may run on
 std::string g_amx_status = "not checked";

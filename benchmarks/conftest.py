@@ -72,6 +72,28 @@ def interleaved(benchmark, sides: dict[str, Callable[[int], float | None]], roun
     return best
 
 
+def own_memory_limit(copies: list, weight_bytes: int) -> Callable[[int], float]:
+    """The read-limit side of a kernel ratio, fn(round) -> the seconds the limit allows for `weight_bytes`:
+    in round i one of read_limit's strategies, in turn, reads the weights of copy (i + n/2) mod n once,
+    cold (fiddler.kernels.read_once_gbps). The kernel side streams copy i mod n, so both sides read the
+    same memory, each copy last touched n/2 rounds before by the other side. A limit probe re-reading
+    its own 1 GiB buffer every round measures warmer memory than weights cycled through GBs. On an Intel
+    Xeon VM (family 6 model 167, 2026-12-05), a plain read of 12 cycled expert copies ran at 20.1 GB/s
+    (median) against 29.2 for the 1 GiB buffer, and the kernel streamed those copies at 19.5
+    (results/measured/2026-12-05-intel-xeon-amx-near-prefetch)."""
+    import fiddler.kernels as fk
+
+    n = len(copies)
+
+    def side(i: int) -> float:
+        e = copies[(i + n // 2) % n]
+        strategy = fk.READ_ONCE_STRATEGIES[i % len(fk.READ_ONCE_STRATEGIES)]
+        seconds = sum(b.numel() / (fk.read_once_gbps(b, strategy) * 1e9) for b in (e._w13, e._w2))
+        return seconds * weight_bytes / e.nbytes
+
+    return side
+
+
 def python_yardstick() -> float:
     """A fixed pure-Python workload (never change it: every planner ratio is in its units), shaped like
     a planner's work: a brute force over the 2^8 splits of 8 float costs, with calls, tuples, list

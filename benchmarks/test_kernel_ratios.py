@@ -1,6 +1,8 @@
 """The CPU expert kernel on one Mixtral-8x7B expert (4096 x 14336, 352 MB bf16):
 - against torch's bf16 expert on the same weights (speedup), at 1, 4, 16 and 64 tokens;
-- against the independent read limit (fiddler.kernels.read_limit), measured in the same rounds;
+- against the independent read limit, measured in the same rounds: read_limit's strategies reading other
+  copies of the same weights, one cold read a round (conftest.own_memory_limit), so that the limit reads
+  memory as recently touched as the kernel's;
 - against its roofline, max(bytes / read limit, FLOPs / compute peak), with the compute peak of this host
   measured right after, best of rounds of its own (fiddler.kernels.roofline.PeakProbe: the better of torch's bf16 matmul and the
   kernel's own best), at 1 to 512 tokens;
@@ -21,11 +23,10 @@ import torch.nn.functional as F
 import fiddler.kernels as fk
 from fiddler.kernels import roofline
 
-from .conftest import interleaved, record_ratio
+from .conftest import interleaved, own_memory_limit, record_ratio
 
 HIDDEN, FFN = 4096, 14336
 TOKENS = (1, 4, 16, 64, 256, 512)
-LIMIT_BYTES = 1 << 30  # the limit's buffer in the rounds: big enough to leave any cache, quick to read
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +52,12 @@ def torch_expert(x, w1, w3, w2):
 
 
 @pytest.fixture(scope="module")
-def limit_buf():
-    return fk.limit_buffer(LIMIT_BYTES)
-
-
-@pytest.fixture(scope="module")
 def peak():
     return roofline.PeakProbe("bf16")
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_kernel(benchmark, experts, limit_buf, peak, rounds, tokens):
+def test_kernel(benchmark, experts, peak, rounds, tokens):
     torch_w, packed, weight_bytes = experts
     n = len(packed)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
@@ -70,15 +66,11 @@ def test_kernel(benchmark, experts, limit_buf, peak, rounds, tokens):
 
     flops = roofline.expert_flops(HIDDEN, FFN, tokens)
 
-    def limit(i):
-        gbps = fk.read_limit(repeats=1, buffer=limit_buf)["gbps"]
-        return weight_bytes / (gbps * 1e9)  # the time the limit allows for one expert
-
     # The kernel runs right after the limit's reads (not after a torch op, whose OpenMP threads
     # busy-wait for a while after a parallel region and would share the cores with it).
     peak.reset()
     best = interleaved(benchmark, {
-        "limit_s": limit,
+        "limit_s": own_memory_limit(packed, weight_bytes),
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
         "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
     }, 2 * rounds, warmup=2)

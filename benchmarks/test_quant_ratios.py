@@ -1,6 +1,7 @@
 """The quantized CPU kernel (llama.cpp's Q8_0 / Q4_0, fiddler.kernels.quant) on one Mixtral-8x7B expert
 (4096 x 14336: 187 MB at Q8_0, 99 MB at Q4_0) at 1, 4 and 16 tokens, in the mode this CPU uses by
-default: at one token against the independent read limit measured in the same rounds, and at each
+default: at one token against the independent read limit measured in the same rounds (read_limit's
+strategies reading other copies of the same weights, one cold read a round: conftest.own_memory_limit), and at each
 count against its roofline, max(bytes / read limit, operations / compute peak), with the compute peak
 of this host for the format measured right after, best of rounds of its own (fiddler.kernels.roofline.PeakProbe:
 the better of torch's int8 matmul and the kernel's own best). Like the engine, every call streams its expert from
@@ -14,21 +15,15 @@ import torch
 import fiddler.kernels as fk
 from fiddler.kernels import roofline
 
-from .conftest import interleaved, record_ratio
+from .conftest import interleaved, own_memory_limit, record_ratio
 
 HIDDEN, FFN = 4096, 14336
-LIMIT_BYTES = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def limit_buf():
-    if not fk.is_available():
-        pytest.skip(f"kernel library not available: {fk.load_error()}")
-    return fk.limit_buffer(LIMIT_BYTES)
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0"])
-def quant_experts(request, limit_buf):
+def quant_experts(request):
+    if not fk.is_available():
+        pytest.skip(f"kernel library not available: {fk.load_error()}")
     from fiddler.kernels import quant as fq
 
     fmt = request.param
@@ -43,7 +38,7 @@ def quant_experts(request, limit_buf):
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_quant_kernel(benchmark, limit_buf, quant_experts, rounds, tokens):
+def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
     from fiddler.kernels import quant as fq
 
     fmt, experts, peak = quant_experts
@@ -52,12 +47,9 @@ def test_quant_kernel(benchmark, limit_buf, quant_experts, rounds, tokens):
     x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
     out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
 
-    def limit(i):
-        return e0.nbytes / (fk.read_limit(repeats=1, buffer=limit_buf)["gbps"] * 1e9)
-
     peak.reset()
     best = interleaved(benchmark, {
-        "limit_s": limit,
+        "limit_s": own_memory_limit(experts, e0.nbytes),
         "kernel_s": lambda i: experts[i % copies].forward(x, out=out),
     }, (6 if tokens == 1 else 2) * rounds, warmup=3)  # calls of a few ms: many rounds cost little and steady the ratio
     # the compute peak right after, best of its own rounds (inside the rounds above it would run just

@@ -362,6 +362,44 @@ def test_read_limit_names_every_strategy():
         fk.read_limit(nbytes=1000)
 
 
+def test_read_once_reads_by_every_strategy_and_checks_its_input():
+    buf = fk.limit_buffer(8 << 20)
+    for s in fk.READ_ONCE_STRATEGIES:
+        assert 0 < fk.read_once_gbps(buf, s, threads=1) < 10_000, s
+    assert fk.READ_ONCE_STRATEGIES == ("none", "t0", "t1", "nta", "gemv")
+    with pytest.raises(ValueError, match="strategy"):
+        fk.read_once_gbps(buf, "t2")
+    with pytest.raises(TypeError):
+        fk.read_once_gbps(buf.view(torch.float32), "t0")
+    with pytest.raises(ValueError, match="16 KiB"):
+        fk.read_once_gbps(buf[:1000], "gemv")
+
+
+def test_own_memory_limit_reads_the_copy_half_a_cycle_away_one_strategy_a_round(monkeypatch):
+    """The benchmarks' limit side (benchmarks/conftest.py): round i reads copy (i + n/2) mod n, whose
+    two weight buffers it times with one strategy, in turn, scaled to the bytes the ratio counts."""
+    import types
+
+    from benchmarks.conftest import own_memory_limit
+
+    calls = []
+
+    def fake(buf, strategy, threads=None):
+        calls.append((buf, strategy))
+        return 2.0  # GB/s
+
+    monkeypatch.setattr(fk, "read_once_gbps", fake)
+    copies = [types.SimpleNamespace(_w13=torch.zeros(3000, dtype=torch.uint8) + i,
+                                    _w2=torch.zeros(1000, dtype=torch.uint8) + i, nbytes=4000) for i in range(4)]
+    side = own_memory_limit(copies, weight_bytes=8000)
+    got = [side(i) for i in range(6)]
+    assert got == [pytest.approx(8000 / 2e9)] * 6  # 4000 bytes at 2 GB/s, scaled to 8000 bytes
+    read = [(int(b[0]), s) for b, s in calls]
+    assert [c for c, _ in read[::2]] == [2, 3, 0, 1, 2, 3]  # copy (i + 2) mod 4, both its buffers
+    assert [s for _, s in read[::2]] == list(fk.READ_ONCE_STRATEGIES) + ["none"]
+    assert [id(b) for b, _ in calls[:2]] == [id(copies[2]._w13), id(copies[2]._w2)]
+
+
 def test_read_limit_does_not_follow_the_kernel_tuning():
     """The probe judges the kernel: changing the kernel's stream prefetch must not change what it reads."""
     prev = fk.stream()

@@ -458,20 +458,51 @@ def read_limit(nbytes: int | None = None, threads: int | None = None, repeats: i
             res[f"read_{hint}_{n}t"] = _read_gbps(buf, n, hint, dist, repeats)
         if n > 1:
             res["read_none_1t"] = _read_gbps(buf, 1, "none", 0, repeats)
-    x = torch.ones(1, k)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        F.linear(x, w)  # warm-up
-        t_best = min(_timed(lambda: F.linear(x, w)) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(prev)
-    res[f"gemv_fp32_{n}t"] = nbytes / t_best / 1e9
+    res[f"gemv_fp32_{n}t"] = _gemv_gbps(w, n, repeats, warmup=True)
     best = max(res, key=res.get)
     out = {"gbps": res[best], "best": best, "strategies": res, "nbytes": nbytes, "threads": n}
     if cached:
         _LIMIT_CACHE[key] = copy.deepcopy(out)
     return out
+
+
+def _gemv_gbps(w: torch.Tensor, threads: int, repeats: int, warmup: bool) -> float:
+    """GB/s of torch's fp32 GEMV (one token) over w [rows, 4096], best of `repeats`, at `threads` threads."""
+    x = torch.ones(1, w.shape[1])
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if warmup:
+            F.linear(x, w)
+        t_best = min(_timed(lambda: F.linear(x, w)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(prev)
+    return w.numel() * 4 / t_best / 1e9
+
+
+READ_ONCE_STRATEGIES = tuple(h for h, _ in LIMIT_STRATEGIES) + ("gemv",)
+
+
+def read_once_gbps(buf: torch.Tensor, strategy: str, threads: int | None = None) -> float:
+    """GB/s of one cold read of `buf` (a 1-D uint8 tensor: a limit_buffer, or a packed expert's weights)
+    by one of read_limit's strategies at `threads` threads: "none", "t0", "t1", "nta" (the library's
+    streaming reads at read_limit's distances) or "gemv" (torch's fp32 GEMV over the buffer's whole
+    16 KiB rows). No warm-up and no repeat: a benchmark that compares a kernel with the memory it streams
+    reads other copies of the same weights with it, one strategy a round, so that no read warms a
+    buffer for the next (benchmarks/test_kernel_ratios.py)."""
+    if strategy not in READ_ONCE_STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(READ_ONCE_STRATEGIES)}, got {strategy!r}")
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise TypeError("read_once_gbps needs a 1-D torch.uint8 tensor")
+    n = _threads(threads) or (get_num_threads() if is_available() else torch.get_num_threads())
+    if strategy == "gemv":
+        rows = buf.numel() // (16 << 10)
+        if rows < 1:
+            raise ValueError("read_once_gbps('gemv') needs at least one 16 KiB row")
+        return _gemv_gbps(buf[: rows * (16 << 10)].view(torch.float32).view(rows, 4096), n, 1, warmup=False)
+    if not is_available():
+        raise RuntimeError(f"kernel library not available: {load_error()}")
+    return _read_gbps(buf, n, strategy, dict(LIMIT_STRATEGIES)[strategy], 1)
 
 
 def _timed(fn) -> float:

@@ -44,7 +44,7 @@ static void amx_done() {
 // from kAmxNear bytes ahead (mostly this step's own lines) and into L2 kAmxAhead bytes ahead. The near
 // prefetches matter: a tile load keeps few of its 16 line misses in flight, 32 prefetches issued just
 // before it keep them all, and the stream ran at 0.78 of vector loads with the L2 prefetch alone (4 KiB
-// ahead) against 0.95-0.98 with both (Intel Xeon, family 6 model 167, 2 threads, in-process interleaved:
+// ahead) against 0.93-0.95 with both (Intel Xeon, family 6 model 167, 2 threads, in-process interleaved:
 // results/measured/2026-12-05-intel-xeon-amx-near-prefetch). A call whose weights were pulled earlier
 // pulls its share of the next piece (pf, pf_lines), spread over its k steps, so the stream never waits.
 #ifndef FK_AMX_NEAR

@@ -10,7 +10,7 @@ import shutil
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [f"fiddler/kernels/csrc/{name}.cpp" for name in ("fk_api", "fk_cpu", "fk_tuning", "fk_pool", "fk_driver", "fk_probe", "fk_generic", "fk_avx2", "fk_avx512", "fk_amx", "fk_amx_emu", "fk_decode", "fk_quant", "fk_quant_avx2", "fk_quant_avx512", "fk_attention")]
+SOURCES = [f"fiddler/kernels/csrc/{name}.cpp" for name in ("fk_api", "fk_cpu", "fk_tuning", "fk_pool", "fk_driver", "fk_probe", "fk_generic", "fk_avx2", "fk_avx512", "fk_amx", "fk_amx_emu", "fk_decode", "fk_quant", "fk_quant_avx2", "fk_quant_avx512", "fk_quant_amx", "fk_attention")]
 
 
 class BuildKernels(build_ext):
@@ -39,7 +39,7 @@ setup(
         Extension(
             "fiddler.kernels._fiddler_cpu",
             sources=SOURCES,
-            depends=["fiddler/kernels/csrc/fk.h", "fiddler/kernels/csrc/fk_internal.h", "fiddler/kernels/csrc/fk_amx_impl.h", "fiddler/kernels/csrc/fk_decode_impl.h", "fiddler/kernels/csrc/fk_quant.h"],
+            depends=["fiddler/kernels/csrc/fk.h", "fiddler/kernels/csrc/fk_internal.h", "fiddler/kernels/csrc/fk_amx_impl.h", "fiddler/kernels/csrc/fk_decode_impl.h", "fiddler/kernels/csrc/fk_quant.h", "fiddler/kernels/csrc/fk_quant_amx_impl.h"],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-pthread", "-g0"],
             extra_link_args=["-pthread"],

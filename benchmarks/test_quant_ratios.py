@@ -55,11 +55,10 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
     # the compute peak right after, best of its own rounds (inside the rounds above it would run just
     # before the limit and the kernel of the next round and change what they read)
     peak_s = min(peak.best_s() for _ in range(rounds))
-    mode = fq.mode()
-    common = dict(path=f"{mode['isa']}:{mode['mode']}", weight_bytes=e0.nbytes, tokens=tokens)
+    common = dict(path=fq.path(tokens, fmt), weight_bytes=e0.nbytes, tokens=tokens)
     if tokens == 1:
         record_ratio(benchmark, f"quant_{fmt}_vs_limit_t1", best["limit_s"] / best["kernel_s"], "higher", best,
-                     f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({mode['mode']} on {mode['isa']})",
+                     f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({common['path']})",
                      **common)
     flops = roofline.expert_flops(HIDDEN, FFN, tokens)
     # the kernel's own best includes this call: a peak it beats would be no peak
@@ -68,6 +67,6 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
     roof_s = roofline.roofline_s(e0.nbytes, flops, e0.nbytes / best["limit_s"] / 1e9, gops)
     record_ratio(benchmark, f"quant_{fmt}_vs_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
                  {**best, "peak_s": peak_s, "roofline_s": roof_s},
-                 f"roofline time / {fmt} expert time, {tokens} token(s) ({mode['mode']} on {mode['isa']}; compute peak "
+                 f"roofline time / {fmt} expert time, {tokens} token(s) ({common['path']}; compute peak "
                  f"{gops:.0f} GOP/s by {peak_by}, the best of {', '.join(peak.sources)} and this call)", peak_gops=gops,
                  peak_by=peak_by, flops=flops, **common)

@@ -316,6 +316,7 @@ class Engine:
             "quant": quant,
             **({"quant_fp32_activations": fp32_acts} if quant is not None else {}),
             **({"quant_info": quant_info} if quant_info else {}),
+            **({"quant_amx": k.quant.amx()} if quant is not None and k is not None else {}),
             "load_s": time.perf_counter() - t_load,
         }
         if cuda_cap:

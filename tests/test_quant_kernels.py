@@ -24,6 +24,12 @@ FEATS = fk.features() if fk.is_available() else {}
 QISAS = [
     pytest.param("avx512_vnni", marks=pytest.mark.skipif(
         not (FEATS.get("avx512_vnni") and FEATS.get("avx512bw") and FEATS.get("os_avx512")), reason="no AVX512-VNNI")),
+    pytest.param("avx512_vnni+amx", marks=pytest.mark.skipif(
+        not (FEATS.get("amx_int8") and FEATS.get("amx_tile") and FEATS.get("os_amx") and FEATS.get("avx512_vnni")),
+        reason="no AMX-INT8")),
+    # the tile kernel's logic (tiling, strides, the Q4_0 unpack, the pipelined units) on software tiles
+    pytest.param("avx512_vnni+amx_emulated", marks=pytest.mark.skipif(
+        not (FEATS.get("avx512_vnni") and FEATS.get("avx512bw") and FEATS.get("os_avx512")), reason="no AVX512-VNNI")),
     pytest.param("avx2", marks=pytest.mark.skipif(not (FEATS.get("avx2") and FEATS.get("f16c")), reason="no AVX2+F16C")),
     "generic",
 ]
@@ -35,6 +41,15 @@ MODES = ["a8", "w"]
 def _restore_mode():
     yield
     fq.set_mode("auto")
+    fq.set_amx("auto")
+
+
+def use(mode: str, isa: str) -> None:
+    """Selects a path of QISAS: "avx512_vnni+amx" / "+amx_emulated" put every token count through the
+    tiles (a8; w mode has no tile kernel and runs the vector one)."""
+    base, _, tiles = isa.partition("+")
+    fq.set_mode(mode, base)
+    fq.set_amx({"amx": "on", "amx_emulated": "emulated"}.get(tiles, "off"), min_tokens=1)
 
 
 def acts_q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +131,7 @@ def test_packed_bytes_are_the_block_bytes_plus_padding():
 @pytest.mark.parametrize("n,k,tokens", [(33, 70, 1), (16, 64, 2), (100, 257, 9), (47, 1000, 17), (19, 96, 257)])
 @pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])  # fp32: quantized from fp32, as llama.cpp
 def test_linear_against_fp64(isa, mode, fmt, n, k, tokens, xdt):
-    fq.set_mode(mode, isa)
+    use(mode, isa)
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g) / k**0.5
     lin = fq.QuantLinear.from_float(w, fmt)
@@ -135,7 +150,7 @@ def test_each_row_has_the_same_bits_alone_or_in_any_token_group(isa, fmt):
     """The a8 micro-kernels take up to the path's mr tokens a call (16 on AVX-512, the fp32 sums of
     tokens past 8 in memory rather than registers): a row's result is the same bits alone as among 37
     (token groups of every size, a short last one), which batched requests rely on."""
-    fq.set_mode("a8", isa)
+    use("a8", isa)
     g = torch.Generator().manual_seed(7)
     lin = fq.QuantLinear.from_float(torch.randn(48, 320, generator=g) / 320**0.5, fmt)
     x = torch.randn(37, 320, generator=g).to(torch.bfloat16)
@@ -147,13 +162,79 @@ def test_each_row_has_the_same_bits_alone_or_in_any_token_group(isa, fmt):
     assert torch.equal(alone, together)
 
 
+@pytest.mark.parametrize("tiles", [p for p in QISAS if "+amx" in str(getattr(p, "values", [p])[0])])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_give_the_vector_paths_bits(tiles, fmt):
+    """The AMX-INT8 kernel's int32 sums are exact and its fp32 steps are the AVX-512 kernel's in the same
+    order: linears and experts give the same bits on both paths at every token count (odd K, padded rows,
+    token groups of 16 with a short last one), so the crossover between them is a speed choice only."""
+    g = torch.Generator().manual_seed(11)
+    lin = fq.QuantLinear.from_float(torch.randn(37, 200, generator=g) / 200**0.5, fmt)
+    e = fq.QuantExpert.from_float(torch.randn(72, 40, generator=g) / 40**0.5, torch.randn(72, 40, generator=g) / 40**0.5,
+                                  torch.randn(40, 72, generator=g) / 72**0.5, fmt)
+    x = torch.randn(35, 200, generator=g).to(torch.bfloat16)
+    xe = torch.randn(35, 40, generator=g).to(torch.bfloat16)
+    outs = {}
+    for isa in ("avx512_vnni", tiles):
+        use("a8", isa)
+        outs[isa] = [(lin(x[:t], out_dtype=torch.float32), e(xe[:t])) for t in (1, 3, 4, 15, 16, 17, 35)]
+    for (ly, ey), (lt, et) in zip(outs["avx512_vnni"], outs[tiles]):
+        assert torch.equal(ly, lt) and torch.equal(ey, et)
+
+
+def test_amx_modes_are_reported_and_validated():
+    with pytest.raises(ValueError, match="unknown AMX mode"):
+        fq.set_amx("maybe")
+    for bad in (0, 18, 2.5, {"q5_k": 4}):
+        with pytest.raises(ValueError, match="min_tokens"):
+            fq.set_amx("auto", min_tokens=bad)
+    a = fq.set_amx("auto")
+    assert a["amx"] in ("on", "off") and all(1 <= n <= fq.AMX_NEVER for n in a["min_tokens"].values())
+    assert (a["amx"] == "on") == (a["status"] == "ok" and fq.mode()["isa"] == "avx512_vnni")
+    if not FEATS.get("amx_int8"):
+        with pytest.raises(ValueError, match="AMX-INT8"):
+            fq.set_amx("on")
+    fq.set_mode("w")  # the tiles serve a8 only: in w mode they are off whatever was asked
+    assert fq.amx()["amx"] == "off" and fq.path(16, "q4_0").endswith(":w") and "+amx" not in fq.path(16, "q4_0")
+    if FEATS.get("avx512_vnni") and FEATS.get("os_avx512"):
+        fq.set_mode("a8", "avx512_vnni")
+        a = fq.set_amx("emulated", min_tokens={"q8_0": fq.AMX_NEVER, "q4_0": 5})
+        assert a["amx"] == "emulated" and a["min_tokens"] == {"q8_0": fq.AMX_NEVER, "q4_0": 5}
+        assert fq.path(4, "q4_0") == "avx512_vnni:a8" and fq.path(5, "q4_0") == "avx512_vnni+amx_emulated:a8"
+        assert fq.path(300, "q4_0") == "avx512_vnni+amx_emulated:a8" and fq.path(300, "q8_0") == "avx512_vnni:a8"
+
+
+@pytest.mark.skipif(not (FEATS.get("avx512_vnni") and FEATS.get("os_avx512")), reason="no AVX512-VNNI")
+def test_tune_amx_sets_the_crossover_of_injected_timings(monkeypatch):
+    """tune_amx times each candidate with the tiles and without, interleaved, and sets the format's
+    min_tokens by fiddler.kernels.amx_crossover; the clock is injected (no assertion rests on a real
+    timing): here the tiles lose at 4 and 8 and win from 12."""
+    import fiddler.kernels as fkm
+
+    fq.set_mode("a8", "avx512_vnni")
+    fq.set_amx("emulated")
+    g = torch.Generator().manual_seed(3)
+    experts = [fq.QuantExpert.from_float(torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g),
+                                         torch.randn(32, 64, generator=g), "q4_0") for _ in range(2)]
+    monkeypatch.setattr(fkm, "_llc_bytes", lambda: 1)  # these few bytes stand for experts streamed from DRAM
+    ms = {4: (3.0, 2.0), 8: (3.0, 2.5), 12: (2.0, 3.0), 16: (2.0, 4.0)}  # (tiles, vector) per call
+    ticks = iter([x for _ in range(2) for c in ms for d in ms[c] for x in (0.0, d / 1e3)])
+    monkeypatch.setattr(fq.time, "perf_counter", lambda: next(ticks))
+    got = fq.tune_amx(experts, candidates=tuple(ms), rounds=2)
+    assert got["min_tokens"] == {"q8_0": 16, "q4_0": 12} and got["amx"] == "emulated"
+    assert got["ms"] == {"q4_0": ms} and got["source"].startswith("tune_amx: measured on 2 q4_0 experts")
+    # too few bytes to stream: nothing measured, nothing changed
+    monkeypatch.setattr(fkm, "_llc_bytes", lambda: 1 << 40)
+    assert fq.tune_amx(experts)["min_tokens"] == {"q8_0": 16, "q4_0": 12}
+
+
 @pytest.mark.parametrize("isa", QISAS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("hidden,ffn,tokens", [(40, 72, 1), (96, 160, 5), (64, 130, 33)])
 @pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float32])
 def test_expert_and_moe_against_fp64(isa, mode, fmt, hidden, ffn, tokens, xdt):
-    fq.set_mode(mode, isa)
+    use(mode, isa)
     g = torch.Generator().manual_seed(hidden + ffn)
     experts = [fq.QuantExpert.from_float(torch.randn(ffn, hidden, generator=g) / hidden**0.5,
                                          torch.randn(ffn, hidden, generator=g) / hidden**0.5,

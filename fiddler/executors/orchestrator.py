@@ -184,6 +184,9 @@ class FiddlerExecutor(ExpertExecutor):
             self.kernel.tune_amx(self._host_copies(), threads=threads.all)
             # and how many weight blocks a many-token product walks K with (prefill, beams)
             self.kernel.tune_blocking(self._host_copies(), threads=threads.all)
+        elif self.kernel is not None:
+            # the quantized experts' own crossover to AMX-INT8 tiles (a no-op without them)
+            self.kernel.quant.tune_amx(self._host_copies(), threads=threads.all)
         if gpu.has_gpu and placement.num_resident < L * E:
             self._allocate_buffers()
         self.copy_in = CopyIn(self.device, COPY_BUFFERS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from ctypes import c_void_p
 
 import torch
@@ -23,7 +24,7 @@ from . import _L, _aligned_copy, _check_out, _check_tensor, _check_x, _threads, 
 from . import _lib
 
 __all__ = ["FORMATS", "BLOCK_BYTES", "quantize", "dequantize", "QuantLinear", "QuantExpert", "moe_ffn",
-           "set_mode", "mode", "row_bytes"]
+           "set_mode", "mode", "set_amx", "amx", "path", "tune_amx", "row_bytes"]
 
 FORMATS = {"q8_0": 0, "q4_0": 1}
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # llama.cpp's block_q8_0 / block_q4_0: fp16 d + 32 (16) bytes
@@ -63,6 +64,92 @@ def mode() -> dict:
     inv = {v: k for k, v in _MODES.items()}
     isas = {v: k for k, v in _ISA_CODES.items()}
     return {"mode": inv[L.fk_qmode()], "isa": isas[L.fk_qisa()], "source": L.fk_qmode_source().decode()}
+
+
+_AMX_MODES = {"auto": -1, "off": 0, "on": 1, "emulated": 2}
+AMX_NEVER = 17  # min_tokens that no row-group call (at most 16 tokens) reaches
+AMX_TUNE_CANDIDATES = (4, 8, 12, 16)
+_AMX_CHOICE: dict = {"source": "default"}
+
+
+def set_amx(setting: str = "auto", min_tokens: int | dict | None = None, source: str = "set_amx") -> dict:
+    """AMX-INT8 tile products for the a8 mode on the AVX-512 VNNI path: "auto" (on where the CPU has
+    amx_int8 and the tile kernel's self-check agrees with the vector one), "on", "off", or "emulated" (the
+    same tiling on a software model of the tiles, to test it on any AVX-512 VNNI CPU). A row-group call of
+    at least `min_tokens` tokens takes the tiles, fewer the vector kernel; both give the same bits.
+    min_tokens: an int for both formats or {"q8_0": n, "q4_0": n}, each in 1..16, or AMX_NEVER; None: the
+    per-format default. Returns amx()."""
+    if setting not in _AMX_MODES:
+        raise ValueError(f"unknown AMX mode {setting!r}; choose one of {', '.join(_AMX_MODES)}")
+    per = min_tokens if isinstance(min_tokens, dict) else {f: min_tokens for f in FORMATS}
+    if set(per) - set(FORMATS):
+        raise ValueError(f"min_tokens: unknown formats {sorted(set(per) - set(FORMATS))}")
+    for f, n in per.items():
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= AMX_NEVER):
+            raise ValueError(f"min_tokens must be in 1..{AMX_NEVER} ({AMX_NEVER}: never), got {n!r} for {f}")
+    rc = _L().fk_set_qamx(_AMX_MODES[setting], per.get("q8_0") or 0, per.get("q4_0") or 0)
+    if rc != 0:
+        raise ValueError(f"cannot set the quantized AMX mode {setting!r}: {_L().fk_last_error().decode()}")
+    _AMX_CHOICE.clear()
+    _AMX_CHOICE["source"] = source if any(per.values()) else "default"
+    return amx()
+
+
+def amx() -> dict:
+    """{"amx": "on"|"emulated"|"off" (in effect: off unless the path is avx512_vnni in a8 mode),
+    "min_tokens": {format: n}, "status": the self-check's verdict ("ok", "not checked" or why the tiles are
+    off), "source": where min_tokens came from (+ "ms": {format: {tokens: (amx, vector)}} from tune_amx)}."""
+    L = _L()
+    inv = {1: "on", 2: "emulated", 0: "off"}
+    return {"amx": inv[L.fk_qamx()], "min_tokens": {f: L.fk_qamx_min_tokens(c) for f, c in FORMATS.items()},
+            "status": L.fk_qamx_status().decode(), **_AMX_CHOICE}
+
+
+def path(tokens: int, fmt: str) -> str:
+    """The path a call of `tokens` tokens on `fmt` weights runs, e.g. "avx512_vnni:a8" or
+    "avx512_vnni+amx:a8" (tile products for its token groups of at least amx()["min_tokens"][fmt])."""
+    m, a = mode(), amx()
+    tiles = {"on": "+amx", "emulated": "+amx_emulated"}.get(a["amx"], "")
+    _fmt(fmt)
+    return f"{m['isa']}{tiles if min(tokens, 16) >= a['min_tokens'][fmt] else ''}:{m['mode']}"
+
+
+def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: int | None = None) -> dict:
+    """Measures from how many tokens the AMX-INT8 tiles beat the vector kernel on these quantized experts
+    (one format; they must stream from DRAM: more bytes than twice the last-level cache) and sets it for
+    their format, as fiddler.kernels.tune_amx does for bf16: each candidate runs with the tiles and
+    without, interleaved, on a different expert each time; the choice is the smallest candidate from which
+    the tiles are at least as fast at every larger one (AMX_NEVER if they lose at the largest). A no-op
+    returning amx() where the tiles are not in use or the experts are too few."""
+    from . import _llc_bytes, amx_crossover
+
+    experts = [e for e in experts if isinstance(e, QuantExpert)]
+    tiles = amx()["amx"]  # "on" (or "emulated": the same choice on software tiles, for tests)
+    if tiles == "off" or not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+        return amx()
+    fmt, hidden = experts[0].fmt, experts[0].hidden
+    experts = [e for e in experts if e.fmt == fmt and e.hidden == hidden]
+    prev, prev_ms = amx()["min_tokens"], dict(_AMX_CHOICE.get("ms", {}))
+    best = {c: [float("inf"), float("inf")] for c in candidates}  # [amx, vector] seconds
+    xs = {c: torch.ones(c, hidden, dtype=torch.bfloat16) for c in candidates}
+    i = 0
+    try:
+        for _ in range(max(1, rounds)):
+            for c in candidates:
+                for j, setting in enumerate((tiles, "off")):
+                    set_amx(setting, 1)
+                    t = time.perf_counter()
+                    experts[i % len(experts)].forward(xs[c], threads=threads)
+                    best[c][j] = min(best[c][j], time.perf_counter() - t)
+                    i += 1
+    finally:
+        set_amx(tiles, prev)
+    ms = {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
+    chosen = min(amx_crossover(ms), AMX_NEVER)
+    set_amx(tiles, {**prev, fmt: chosen}, source=f"tune_amx: measured on {len(experts)} {fmt} experts of "
+                                                f"{hidden}x{experts[0].ffn}")
+    _AMX_CHOICE["ms"] = {**prev_ms, fmt: ms}
+    return amx()
 
 
 # ------------------------------------------------------------------ quantize / dequantize

@@ -74,8 +74,7 @@ class PeakProbe:
                 from fiddler.kernels import quant as fq
 
                 lin = fq.QuantLinear.from_float(w, kind)
-                m = fq.mode()
-                path = f"{m['isa']}:{m['mode']}"
+                path = fq.path(_M, kind)
             self.sources[f"kernel_{path}_{n}t"] = lambda: lin.forward(xb, out=out, threads=n)
         if not self.sources:
             raise RuntimeError(f"compute_peak({kind!r}): neither torch nor the kernel library can run it here")

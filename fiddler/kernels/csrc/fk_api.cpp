@@ -113,6 +113,14 @@ FK_API int fk_set_qmode(int mode, int isa) { return set_qmode(mode, isa); }
 FK_API int fk_qmode() { return qmode(); }
 FK_API int fk_qisa() { return qisa(); }
 FK_API const char* fk_qmode_source() { return qmode_source(); }
+// min_tokens: per format (Q8_0, Q4_0), <= 0 the default, 17 never
+FK_API int fk_set_qamx(int amx, int min_q8_0, int min_q4_0) {
+  const int m[2] = {min_q8_0, min_q4_0};
+  return set_qamx(amx, m);
+}
+FK_API int fk_qamx() { return qamx(); }
+FK_API int fk_qamx_min_tokens(int fmt) { return fmt == 0 || fmt == 1 ? qamx_min_tokens(fmt) : -1; }
+FK_API const char* fk_qamx_status() { return qamx_status(); }
 
 // ---------------------------------------------------------------- probe
 // GB/s of a streaming read of buf[0, nbytes) (see fk_probe.cpp); negative on error.

@@ -24,7 +24,7 @@ const char* last_error() { return g_error.c_str(); }
 
 const char* const kFeatureNames[kNumFeatures] = {
     "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile",
-    "amx_bf16", "os_avx", "os_avx512", "os_amx", "avx", "f16c", "bmi2", "avx512_vbmi", "avx512_vnni"};
+    "amx_bf16", "os_avx", "os_avx512", "os_amx", "avx", "f16c", "bmi2", "avx512_vbmi", "avx512_vnni", "amx_int8"};
 
 Cpu detect_cpu() {
   Cpu c;
@@ -55,6 +55,7 @@ Cpu detect_cpu() {
     c.has[kAvx512vl] = b & (1u << 31);
     c.has[kAmxBf16] = d & (1u << 22);
     c.has[kAmxTile] = d & (1u << 24);
+    c.has[kAmxInt8] = d & (1u << 25);
     const unsigned max_sub = a;
     if (max_sub >= 1 && __get_cpuid_count(7, 1, &a, &b, &cx, &d)) c.has[kAvx512bf16] = a & (1u << 5);
   }

@@ -32,7 +32,7 @@ enum Feature {
   kAvx2, kFma, kAvx512f, kAvx512bw, kAvx512vl, kAvx512dq, kAvx512bf16, kAmxTile, kAmxBf16,
   kOsAvx, kOsAvx512, kOsAmx,
   // not used by the kernel; reported so that other builds (llama.cpp's flags) can be chosen from them
-  kAvx, kF16c, kBmi2, kAvx512vbmi, kAvx512vnni, kNumFeatures
+  kAvx, kF16c, kBmi2, kAvx512vbmi, kAvx512vnni, kAmxInt8, kNumFeatures
 };
 extern const char* const kFeatureNames[kNumFeatures];
 

@@ -93,6 +93,10 @@ extern const QuantOps kQuantGenericOps;
 #if defined(__x86_64__)
 extern const QuantOps kQuantAvx2Ops;    // needs avx2, fma, f16c
 extern const QuantOps kQuantAvx512Ops;  // needs avx512f/bw/vl + avx512_vnni
+// The AVX-512 VNNI path with AMX-INT8 tile products from qamx_min_tokens() tokens (a8 mode), on real
+// tiles (needs amx_tile + amx_int8 and the tile-data permission) or a software model of them.
+extern const QuantOps kQuantAmxOps;
+extern const QuantOps kQuantAmxEmuOps;
 #endif
 
 // ---------------------------------------------------------------- drivers (fk_quant.cpp)
@@ -118,5 +122,14 @@ int set_qmode(int mode, int isa);
 int qmode();
 int qisa();  // the ISA code (fk_internal.h Isa) of the active quantized path
 const char* qmode_source();
+// AMX-INT8 tiles for the a8 mode on the AVX-512 path (AmxMode of fk_internal.h: -1 = auto, i.e. on where
+// the CPU has them and the self-check agrees; 0 off, 1 the tiles, 2 the software model) from
+// min_tokens[fmt] tokens a row-group call (null or <= 0: the default; kQAmxNever: never); returns 0 or
+// fail(). qamx() is the mode in effect: off unless the active path is AVX-512 VNNI in a8 mode.
+constexpr int kQAmxNever = 17;  // a row-group call takes at most 16 tokens
+int set_qamx(int amx, const int* min_tokens);
+int qamx();
+int qamx_min_tokens(int fmt);
+const char* qamx_status();
 
 }  // namespace fk

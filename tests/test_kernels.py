@@ -89,7 +89,7 @@ def test_expert_ffn_matches_reference(path, hidden, ffn):
 @pytest.mark.parametrize("path", PATHS)
 def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_call(path):
     """Many rows go through the GEMM-style blocking (super-blocks of 8 weight blocks, token chunks of 256
-    rows, K chunks of 512), one row through a single stream; both sum each output in the same order, so
+    rows, K chunks of 512), one row (AMX: up to 96) through a single stream; both sum each output in the same order, so
     each row's bits are the same alone or among 270 (two token chunks, two super-blocks, three K chunks)."""
     use_path(path)
     hidden, ffn, tokens = (1100, 300, 270) if path != "generic" else (600, 300, 40)
@@ -97,6 +97,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_call(path):
     pe = fk.PackedExpert(w1, w3, w2)
     lin = fk.PackedLinear(w1)
     y, z = pe(x), lin.forward(x)
+    for n in (33, 64, 90):  # AMX: up to 96 rows in one pass over each block (block_product), not blocked
+        assert torch.equal(pe(x[:n].clone()), y[:n]) and torch.equal(lin.forward(x[:n].clone()), z[:n]), n
     for t in (0, 1, 37, 255, 256, tokens - 1):
         if t < tokens:
             assert torch.equal(pe(x[t:t + 1].clone()), y[t:t + 1]), f"expert row {t}"

@@ -299,7 +299,8 @@ def _llc_bytes() -> int:
     """Largest last-level cache size the OS reports (sysfs and sysconf can disagree in VMs)."""
     sizes = []
     try:
-        txt = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip().upper()
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:  # closed: no ResourceWarning
+            txt = f.read().strip().upper()
         sizes.append(int(txt.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1], 1))
     except (OSError, ValueError):
         pass

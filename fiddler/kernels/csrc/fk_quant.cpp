@@ -150,7 +150,7 @@ const char* g_qsource = "default";
 std::atomic<int> g_qamx{-1};
 // From this many tokens a row-group call takes the tile kernel (fk_quant_amx_impl.h), below it the
 // AVX-512 one (kQAmxNever: never); both give the same bits, so the crossover is a speed choice only. On
-// a Mixtral-8x7B expert streamed from DRAM (Intel Xeon, family 6 model 167, 2 threads, interleaved) the
+// a Mixtral-8x7B expert streamed from DRAM (Intel Xeon, family 6 model 207, 2 threads, interleaved) the
 // tiles ran Q4_0 at 0.69x the vector kernel's speed at 4 tokens, 1.02x at 8 and 1.11-1.34x at 10-16,
 // and Q8_0 at 0.79x at 4, 0.89-0.99x at 8-14 and 1.10x at 16: each block's per-token fp32 scaling is
 // left on the vector units, and a Q8_0 block is twice the bytes to hide it behind. quant.tune_amx

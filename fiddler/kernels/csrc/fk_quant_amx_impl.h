@@ -31,7 +31,7 @@ struct alignas(64) QTileConfig {
 // Q4_0: a unit's two blocks as signed bytes in VNNI order, for a tile load kQ4Lag units later. A tile
 // load does not take data from the store buffer: loading the rows just written stalls until the stores
 // reach L1 (the tile path ran 0.26-0.9x the vector one at 1-16 tokens that way, Intel Xeon family 6
-// model 167), so units are unpacked kQ4Lag ahead into a ring.
+// model 207), so units are unpacked kQ4Lag ahead into a ring.
 constexpr int kQ4Lag = 2, kQ4Ring = 4;
 inline void q4_unpack_unit(const uint8_t* w, int8_t (*bq)[8][64]) {
   const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);

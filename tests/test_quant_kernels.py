@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -219,7 +220,7 @@ def test_tune_amx_sets_the_crossover_of_injected_timings(monkeypatch):
     monkeypatch.setattr(fkm, "_llc_bytes", lambda: 1)  # these few bytes stand for experts streamed from DRAM
     ms = {4: (3.0, 2.0), 8: (3.0, 2.5), 12: (2.0, 3.0), 16: (2.0, 4.0)}  # (tiles, vector) per call
     ticks = iter([x for _ in range(2) for c in ms for d in ms[c] for x in (0.0, d / 1e3)])
-    monkeypatch.setattr(fq.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(fkm, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     got = fq.tune_amx(experts, candidates=tuple(ms), rounds=2)
     assert got["min_tokens"] == {"q8_0": 16, "q4_0": 12} and got["amx"] == "emulated"
     assert got["ms"] == {"q4_0": ms} and got["source"].startswith("tune_amx: measured on 2 q4_0 experts")

@@ -114,6 +114,27 @@ def _streaming_experts(experts) -> list:
     return [e for e in experts if e.hidden == experts[0].hidden]
 
 
+def time_tiles_and_vector(experts, candidates, rounds: int, threads, select, settings) -> dict:
+    """{tokens: (tiles ms, vector ms)}: each candidate token count runs under select(settings[0]) (the
+    tiles, every call) and select(settings[1]) (the vector path), interleaved, on a different expert each
+    time, best of `rounds`. Stored to the microsecond, so that amx_crossover of a record gives its
+    min_tokens: a difference below the stored precision is noise, not a win. Used by tune_amx and
+    quant.tune_amx; the caller restores its setting."""
+    best = {c: [float("inf"), float("inf")] for c in candidates}
+    xs = {c: torch.ones(c, experts[0].hidden, dtype=torch.bfloat16) for c in candidates}
+    i = 0
+    for _ in range(max(1, rounds)):
+        for c in candidates:
+            for j, setting in enumerate(settings):
+                select(setting)
+                e = experts[i % len(experts)]
+                i += 1
+                t = time.perf_counter()
+                e.forward(xs[c], threads=threads)
+                best[c][j] = min(best[c][j], time.perf_counter() - t)
+    return {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
+
+
 def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: int | None = None) -> dict:
     """Measures from how many tokens AMX tiles beat the vector path, on these packed experts (the engine's
     own: the decode and prefill regime they run in) and sets it. Each candidate token count runs with
@@ -133,24 +154,11 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
         return amx_choice()  # too few bytes to measure the DRAM regime: keep what is set
     hidden = experts[0].hidden
     prev = int(L.fk_amx_min_tokens())
-    best = {c: [float("inf"), float("inf")] for c in candidates}  # [amx, vector] seconds
-    xs = {c: torch.ones(c, hidden, dtype=torch.bfloat16) for c in candidates}
-    i = 0
     try:
-        for _ in range(max(1, rounds)):
-            for c in candidates:
-                for j, mode in enumerate((_AMX_HW, _AMX_OFF)):
-                    _lib.check(L.fk_configure(L.fk_isa(), mode, 1))
-                    e = experts[i % len(experts)]
-                    i += 1
-                    t = time.perf_counter()
-                    e.forward(xs[c], threads=threads)
-                    best[c][j] = min(best[c][j], time.perf_counter() - t)
+        ms = time_tiles_and_vector(experts, candidates, rounds, threads,
+                                   lambda mode: _lib.check(L.fk_configure(L.fk_isa(), mode, 1)), (_AMX_HW, _AMX_OFF))
     finally:
         _lib.check(L.fk_configure(L.fk_isa(), _AMX_HW, prev))
-    # chosen from the times as stored (to the microsecond), so that amx_crossover(ms) of a record
-    # gives its min_tokens: a difference below the stored precision is noise, not a win
-    ms = {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
     chosen = amx_crossover(ms)
     set_amx("on", chosen, source=f"tune_amx: measured on {len(experts)} experts of {hidden}x{experts[0].ffn}")
     _AMX_CHOICE["ms"] = ms

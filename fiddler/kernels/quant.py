@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from ctypes import c_void_p
 
 import torch
@@ -121,7 +120,7 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
     without, interleaved, on a different expert each time; the choice is the smallest candidate from which
     the tiles are at least as fast at every larger one (AMX_NEVER if they lose at the largest). A no-op
     returning amx() where the tiles are not in use or the experts are too few."""
-    from . import _llc_bytes, amx_crossover
+    from . import _llc_bytes, amx_crossover, time_tiles_and_vector
 
     experts = [e for e in experts if isinstance(e, QuantExpert)]
     tiles = amx()["amx"]  # "on" (or "emulated": the same choice on software tiles, for tests)
@@ -130,21 +129,10 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
     fmt, hidden = experts[0].fmt, experts[0].hidden
     experts = [e for e in experts if e.fmt == fmt and e.hidden == hidden]
     prev, prev_ms = amx()["min_tokens"], dict(_AMX_CHOICE.get("ms", {}))
-    best = {c: [float("inf"), float("inf")] for c in candidates}  # [amx, vector] seconds
-    xs = {c: torch.ones(c, hidden, dtype=torch.bfloat16) for c in candidates}
-    i = 0
     try:
-        for _ in range(max(1, rounds)):
-            for c in candidates:
-                for j, setting in enumerate((tiles, "off")):
-                    set_amx(setting, 1)
-                    t = time.perf_counter()
-                    experts[i % len(experts)].forward(xs[c], threads=threads)
-                    best[c][j] = min(best[c][j], time.perf_counter() - t)
-                    i += 1
+        ms = time_tiles_and_vector(experts, candidates, rounds, threads, lambda s: set_amx(s, 1), (tiles, "off"))
     finally:
         set_amx(tiles, prev)
-    ms = {c: (round(a * 1e3, 3), round(v * 1e3, 3)) for c, (a, v) in best.items()}
     chosen = min(amx_crossover(ms), AMX_NEVER)
     set_amx(tiles, {**prev, fmt: chosen}, source=f"tune_amx: measured on {len(experts)} {fmt} experts of "
                                                 f"{hidden}x{experts[0].ffn}")

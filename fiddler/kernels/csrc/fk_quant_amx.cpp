@@ -23,13 +23,6 @@ namespace qamx_hw {
 #define TILE_DP_SU(c, a, b) _tile_dpbsud(c, a, b)
 #define TILE_RELEASE() _tile_release()
 #include "fk_quant_amx_impl.h"
-#undef TILE_CONFIG
-#undef TILE_ZERO
-#undef TILE_LOAD
-#undef TILE_STORE
-#undef TILE_DP_SS
-#undef TILE_DP_SU
-#undef TILE_RELEASE
 }  // namespace qamx_hw
 
 // Software tiles: TDPBSSD / TDPBSUD are exact int32 sums of byte products (wrapping, as the hardware).
@@ -85,13 +78,6 @@ void dp(int c, int a, int b, bool b_unsigned) {
 #define TILE_DP_SU(c, a, b) dp(c, a, b, true)
 #define TILE_RELEASE() ((void)0)
 #include "fk_quant_amx_impl.h"
-#undef TILE_CONFIG
-#undef TILE_ZERO
-#undef TILE_LOAD
-#undef TILE_STORE
-#undef TILE_DP_SS
-#undef TILE_DP_SU
-#undef TILE_RELEASE
 }  // namespace qamx_emu
 
 // Everything but the a8 micro-kernel is the AVX-512 VNNI path's (forwarded at run time: its table is

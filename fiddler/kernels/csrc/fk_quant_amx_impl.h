@@ -2,7 +2,8 @@
 // instructions and with a software model of them (so the tiling is tested on CPUs without AMX). The
 // includer defines TILE_CONFIG(cfg), TILE_ZERO(t), TILE_LOAD(t, ptr, stride_bytes),
 // TILE_STORE(t, ptr, stride_bytes), TILE_DP_SS(c, a, b) (tdpbssd: signed x signed bytes),
-// TILE_DP_SU(c, a, b) (tdpbsud: signed A x unsigned B) and TILE_RELEASE(); the fp32 side is AVX-512.
+// TILE_DP_SU(c, a, b) (tdpbsud: signed A x unsigned B) and TILE_RELEASE(), which this file undefines at
+// its end; the fp32 side is AVX-512.
 //
 // Why: at 16 tokens the AVX-512 a8 kernel issues 8 vpdpbusd per token and block, and is compute-bound
 // at about a third of the read limit on a Mixtral-8x7B expert. One tile product does a block's 16
@@ -157,3 +158,12 @@ void qamx_mk_a8(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, cons
   const int64_t near = st.hint != kHintNone ? st.distance : 0;
   (fmt == kQ8_0 ? kQAmx<kQ8_0> : kQAmx<kQ4_0>)[m - 1](w, units, xq, xd, xs, ld, acc, near, st.far);
 }
+
+// the includer's tile macros end here, so that it can include this file again with others
+#undef TILE_CONFIG
+#undef TILE_ZERO
+#undef TILE_LOAD
+#undef TILE_STORE
+#undef TILE_DP_SS
+#undef TILE_DP_SU
+#undef TILE_RELEASE

@@ -105,13 +105,15 @@ def amx_crossover(times: dict[int, tuple[float, float]]) -> int:
     return chosen
 
 
-def _streaming_experts(experts) -> list:
-    """The packed experts of the first one's width, for a tuning that must stream from DRAM: [] unless
-    all the packed experts given hold more than twice the last-level cache."""
-    experts = [e for e in experts if isinstance(e, PackedExpert)]
+def _streaming_experts(experts, kind=None) -> list:
+    """The experts of class `kind` (default PackedExpert) and the first one's width (and format, if they
+    have one), for a tuning that must stream from DRAM: [] unless all such experts given hold more than
+    twice the last-level cache."""
+    experts = [e for e in experts if isinstance(e, kind or PackedExpert)]
     if not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
         return []
-    return [e for e in experts if e.hidden == experts[0].hidden]
+    first = experts[0]
+    return [e for e in experts if e.hidden == first.hidden and getattr(e, "fmt", None) == getattr(first, "fmt", None)]
 
 
 def time_tiles_and_vector(experts, candidates, rounds: int, threads, select, settings) -> dict:

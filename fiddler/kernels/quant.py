@@ -120,14 +120,13 @@ def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: 
     without, interleaved, on a different expert each time; the choice is the smallest candidate from which
     the tiles are at least as fast at every larger one (AMX_NEVER if they lose at the largest). A no-op
     returning amx() where the tiles are not in use or the experts are too few."""
-    from . import _llc_bytes, amx_crossover, time_tiles_and_vector
+    from . import _streaming_experts, amx_crossover, time_tiles_and_vector
 
-    experts = [e for e in experts if isinstance(e, QuantExpert)]
     tiles = amx()["amx"]  # "on" (or "emulated": the same choice on software tiles, for tests)
-    if tiles == "off" or not experts or sum(e.nbytes for e in experts) < 2 * _llc_bytes():
+    experts = _streaming_experts(experts, QuantExpert)
+    if tiles == "off" or not experts:
         return amx()
     fmt, hidden = experts[0].fmt, experts[0].hidden
-    experts = [e for e in experts if e.fmt == fmt and e.hidden == hidden]
     prev, prev_ms = amx()["min_tokens"], dict(_AMX_CHOICE.get("ms", {}))
     try:
         ms = time_tiles_and_vector(experts, candidates, rounds, threads, lambda s: set_amx(s, 1), (tiles, "off"))

@@ -111,6 +111,15 @@ uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist);
 extern const IsaOps kAvx2Ops;
 extern const IsaOps kAvx512Ops;
 extern const IsaOps kAmxOps;       // real AMX tiles
+// ldtilecfg of a 64-byte tile configuration. GCC's _tile_loadconfig declares a read of only its first 8
+// bytes, so the compiler may drop the stores that fill in the rest (rows, colsb) as dead, and the
+// next tile instruction faults (#UD) or runs on stale shapes; this operand covers all 64.
+struct alignas(64) TileConfigBytes {
+  unsigned char b[64];
+};
+inline void load_tile_config(const void* cfg) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(*static_cast<const TileConfigBytes*>(cfg)));
+}
 #endif
 extern const IsaOps kAmxEmuOps;    // the same AMX driver code on software tiles (tests its logic)
 

@@ -12,7 +12,7 @@
 namespace fk {
 
 namespace {
-#define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_CONFIG(cfg) load_tile_config(cfg)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
 #define TILE_STORE(t, p, s) _tile_stored(t, p, s)

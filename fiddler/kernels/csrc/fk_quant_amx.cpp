@@ -15,17 +15,16 @@
 namespace fk {
 
 namespace qamx_hw {
-#define TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define TILE_CONFIG(cfg) load_tile_config(cfg)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
 #define TILE_STORE(t, p, s) _tile_stored(t, p, s)
 #define TILE_DP_SS(c, a, b) _tile_dpbssd(c, a, b)
-#define TILE_DP_SU(c, a, b) _tile_dpbsud(c, a, b)
 #define TILE_RELEASE() _tile_release()
 #include "fk_quant_amx_impl.h"
 }  // namespace qamx_hw
 
-// Software tiles: TDPBSSD / TDPBSUD are exact int32 sums of byte products (wrapping, as the hardware).
+// Software tiles: TDPBSSD is an exact int32 sum of signed byte products (wrapping, as the hardware).
 namespace qamx_emu {
 struct Tiles {
   uint8_t rows[8];
@@ -55,7 +54,7 @@ void load(int t, const void* p, int64_t stride) {
 void store(int t, void* p, int64_t stride) {
   for (int r = 0; r < g_t.rows[t]; ++r) std::memcpy(static_cast<char*>(p) + r * stride, g_t.data[t][r], g_t.colsb[t]);
 }
-void dp(int c, int a, int b, bool b_unsigned) {
+void dp(int c, int a, int b) {
   const int m = g_t.rows[c], n = g_t.colsb[c] / 4, k = g_t.colsb[a];
   for (int i = 0; i < m; ++i)
     for (int j = 0; j < n; ++j) {
@@ -64,7 +63,7 @@ void dp(int c, int a, int b, bool b_unsigned) {
       for (int kk = 0; kk < k; ++kk) {
         const int32_t av = int8_t(g_t.data[a][i][kk]);
         const uint8_t braw = g_t.data[b][kk / 4][4 * j + kk % 4];
-        const int32_t bv = b_unsigned ? int32_t(braw) : int32_t(int8_t(braw));
+        const int32_t bv = int8_t(braw);
         s += uint32_t(av * bv);
       }
       std::memcpy(&g_t.data[c][i][4 * j], &s, 4);
@@ -74,8 +73,7 @@ void dp(int c, int a, int b, bool b_unsigned) {
 #define TILE_ZERO(t) zero(t)
 #define TILE_LOAD(t, p, s) load(t, p, s)
 #define TILE_STORE(t, p, s) store(t, p, s)
-#define TILE_DP_SS(c, a, b) dp(c, a, b, false)
-#define TILE_DP_SU(c, a, b) dp(c, a, b, true)
+#define TILE_DP_SS(c, a, b) dp(c, a, b)
 #define TILE_RELEASE() ((void)0)
 #include "fk_quant_amx_impl.h"
 }  // namespace qamx_emu

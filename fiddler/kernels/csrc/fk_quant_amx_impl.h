@@ -1,9 +1,8 @@
 // AMX-INT8 micro-kernel of the a8 mode, included twice by fk_quant_amx.cpp: with the hardware tile
 // instructions and with a software model of them (so the tiling is tested on CPUs without AMX). The
 // includer defines TILE_CONFIG(cfg), TILE_ZERO(t), TILE_LOAD(t, ptr, stride_bytes),
-// TILE_STORE(t, ptr, stride_bytes), TILE_DP_SS(c, a, b) (tdpbssd: signed x signed bytes),
-// TILE_DP_SU(c, a, b) (tdpbsud: signed A x unsigned B) and TILE_RELEASE(), which this file undefines at
-// its end; the fp32 side is AVX-512.
+// TILE_STORE(t, ptr, stride_bytes), TILE_DP_SS(c, a, b) (tdpbssd: signed x signed bytes) and
+// TILE_RELEASE(), which this file undefines at its end; the fp32 side is AVX-512.
 //
 // Why: at 16 tokens the AVX-512 a8 kernel issues 8 vpdpbusd per token and block, and is compute-bound
 // at about a third of the read limit on a Mixtral-8x7B expert. One tile product does a block's 16
@@ -12,14 +11,15 @@
 // Per 32-block of K (a tile product per block: each block has its own scales):
 //   A (tiles 4, 5): the block's m tokens' int8 quants, straight from the block-major a8 layout (32 bytes a
 //     token, fk_quant.h);
-//   B (tiles 6, 7): the block's 16 rows in VNNI order, which is the packed layout's (4-byte column j of
-//     each row = k 4j..4j+3). Q8_0: the stored q + 128, loaded straight from the stream (tdpbsud, and the
-//     zero-point correction as the vector path applies it). Q4_0: the nibbles minus 8 as signed bytes,
-//     unpacked to L1 (rows 0..3 the low nibbles = k 0..15, rows 4..7 the high ones = k 16..31; tdpbssd);
+//   B (tiles 6, 7): the block's 16 rows as signed bytes in VNNI order, which is the packed layout's
+//     (4-byte column j of each row = k 4j..4j+3), written to an L1 ring a few units ahead (below): Q8_0
+//     the stored q + 128 with the sign bit flipped back (q); Q4_0 the nibbles minus 8 (rows 0..3 the low
+//     nibbles = k 0..15, rows 4..7 the high ones = k 16..31);
 //   C (tiles 0..3): the int32 dot products [token][row], two units in flight.
-// The int32 sums are exact, as vpdpbusd's; the fp32 steps after them are the vector path's, in its order
-// (per token: block after block, s = float(isum), f = fma(s, d_w * d_x, f)), so every output has the same
-// bits on either path and a row is the same alone or among any tokens.
+// The int32 sums are exact, as vpdpbusd's (which the vector path corrects by 128 x the activations' sum
+// for its unsigned operand: the same integer); the fp32 steps after them are the vector path's, in its
+// order (per token: block after block, s = float(isum), f = fma(s, d_w * d_x, f)), so every output has
+// the same bits on either path and a row is the same alone or among any tokens.
 
 struct alignas(64) QTileConfig {
   uint8_t palette;
@@ -29,41 +29,46 @@ struct alignas(64) QTileConfig {
   uint8_t rows[16];
 };
 
-// Q4_0: a unit's two blocks as signed bytes in VNNI order, for a tile load kQ4Lag units later. A tile
-// load does not take data from the store buffer: loading the rows just written stalls until the stores
-// reach L1 (the tile path ran 0.26-0.9x the vector one at 1-16 tokens that way, Intel Xeon family 6
-// model 207), so units are unpacked kQ4Lag ahead into a ring.
-constexpr int kQ4Lag = 2, kQ4Ring = 4;
-inline void q4_unpack_unit(const uint8_t* w, int8_t (*bq)[8][64]) {
-  const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
-  for (int b = 0; b < 2; ++b)
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_load_si512(w + 64 + b * 256 + 64 * j);
-      _mm512_store_si512(bq[b][j], _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
-      _mm512_store_si512(bq[b][4 + j], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
-    }
+// A unit's two blocks as signed bytes in VNNI order, for a tile load kRingLag units later. A tile load
+// does not take data from the store buffer: loading the rows just written stalls until the stores reach
+// L1 (the tile path ran 0.26-0.9x the vector one at 1-16 tokens that way, Intel Xeon family 6 model 207),
+// so units are converted kRingLag ahead into a ring. Q8_0 goes through the ring too: flipping its sign
+// bits costs one xor per 64 bytes, where multiplying the unsigned bytes as stored (tdpbsud) costs the
+// zero-point correction, an integer multiply and subtract per token and block (Q8_0 at 16 tokens: 0.77x
+// the time per block in L2, same host).
+constexpr int kRingLag = 2, kRingSlots = 4;
+template <int Fmt>
+inline void ring_unit(const uint8_t* w, int8_t (*bq)[8][64]) {
+  if constexpr (Fmt == kQ8_0) {
+    const __m512i sign = _mm512_set1_epi8(char(0x80));
+    for (int b = 0; b < 2; ++b)
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(bq[b][j], _mm512_xor_si512(_mm512_load_si512(w + 64 + b * 512 + 64 * j), sign));
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    for (int b = 0; b < 2; ++b)
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_load_si512(w + 64 + b * 256 + 64 * j);
+        _mm512_store_si512(bq[b][j], _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+        _mm512_store_si512(bq[b][4 + j], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
+      }
+  }
 }
 
 // One block's tile product into C tile `c` (A tile `a`, B tile `bt`: literal numbers, which the tile
 // intrinsics need).
-#define QAMX_BLOCK(c, a, bt, b)                                    \
-  do {                                                             \
-    TILE_ZERO(c);                                                  \
-    TILE_LOAD(a, xq + (kb0 + (b)) * ld * kQK, kQK);                \
-    if constexpr (Fmt == kQ8_0) {                                  \
-      TILE_LOAD(bt, w + 64 + (b) * 512, 64);                       \
-      TILE_DP_SU(c, a, bt);                                        \
-    } else {                                                       \
-      TILE_LOAD(bt, bq[b], 64);                                    \
-      TILE_DP_SS(c, a, bt);                                        \
-    }                                                              \
+#define QAMX_BLOCK(c, a, bt, b)                         \
+  do {                                                  \
+    TILE_ZERO(c);                                       \
+    TILE_LOAD(a, xq + (kb0 + (b)) * ld * kQK, kQK);     \
+    TILE_LOAD(bt, bq[b], 64);                           \
+    TILE_DP_SS(c, a, bt);                               \
   } while (0)
 
 // The unit's tile products: C tiles 0, 1 (even units) or 2, 3 (odd ones) for its two blocks, both
-// issued before either is stored to cbuf; Q4_0 reads its B rows from bq (unpacked earlier), Q8_0
-// straight from the stream.
-template <int Fmt, bool Odd>
-inline void qamx_unit_tiles(const uint8_t* w, const int8_t* xq, int64_t ld, int64_t kb0, int32_t (*cbuf)[16][16],
+// issued before either is stored to cbuf; the B rows come from the ring (bq).
+template <bool Odd>
+inline void qamx_unit_tiles(const int8_t* xq, int64_t ld, int64_t kb0, int32_t (*cbuf)[16][16],
                             const int8_t (*bq)[8][64]) {
   if constexpr (Odd) {
     QAMX_BLOCK(2, 4, 6, 0);
@@ -80,26 +85,24 @@ inline void qamx_unit_tiles(const uint8_t* w, const int8_t* xq, int64_t ld, int6
 #undef QAMX_BLOCK
 
 // The unit's fp32 side: f[t] += float(isum[t]) * (d_w * d_x[t]) for its two blocks.
-template <int Fmt, int M>
-inline void qamx_unit_scale(const uint8_t* w, const float* xd, const int32_t* xs, int64_t ld, int64_t kb0,
-                            const int32_t (*cbuf)[16][16], __m512* f) {
+template <int M>
+inline void qamx_unit_scale(const uint8_t* w, const float* xd, int64_t ld, int64_t kb0, const int32_t (*cbuf)[16][16],
+                            __m512* f) {
   for (int b = 0; b < 2; ++b) {
     const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
     const float* db = xd + (kb0 + b) * ld;
-    const int32_t* sb = xs + (kb0 + b) * ld;
-    for (int t = 0; t < M; ++t) {
-      __m512i sum = _mm512_load_si512(cbuf[b][t]);
-      if constexpr (Fmt == kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * sb[t]));
-      f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(db[t])), f[t]);
-    }
+    for (int t = 0; t < M; ++t)
+      f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[b][t])), _mm512_mul_ps(dw, _mm512_set1_ps(db[t])),
+                             f[t]);
   }
 }
 
-// acc[t][16] for tokens t < M of the row group's stream w (`units` units). The tiles of unit u are
+// acc[t][16] for tokens t < M of the row group's stream w (`units` units; xs, the activations' sums, is
+// the vector path's and unused here). The tiles of unit u are
 // issued before the fp32 side of unit u - 1, so the tile products run while the vector units scale.
 // The stream is prefetched as the vector path does (per line, the per-CPU near and far distances).
 template <int Fmt, int M>
-void qamx_mk_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
+void qamx_mk_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* /*xs*/, int64_t ld,
                float* acc, int64_t near, int64_t far) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576;
   QTileConfig cfg = {};
@@ -118,11 +121,10 @@ void qamx_mk_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* x
   }
   TILE_CONFIG(&cfg);
   alignas(64) int32_t cbuf[2][2][16][16];
-  alignas(64) int8_t bq[Fmt == kQ4_0 ? kQ4Ring : 1][2][8][64];
+  alignas(64) int8_t bq[kRingSlots][2][8][64];
   __m512 f[M];
   for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();
-  if constexpr (Fmt == kQ4_0)
-    for (int64_t v = 0; v < kQ4Lag && v < units; ++v) q4_unpack_unit(w + v * ub, bq[v % kQ4Ring]);
+  for (int64_t v = 0; v < kRingLag && v < units; ++v) ring_unit<Fmt>(w + v * ub, bq[v % kRingSlots]);
   for (int64_t u = 0; u <= units; ++u) {
     const uint8_t* wu = w + u * ub;
     if (u < units) {
@@ -130,13 +132,12 @@ void qamx_mk_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* x
         if (near) _mm_prefetch(reinterpret_cast<const char*>(wu + l + near), _MM_HINT_T0);
         if (far) _mm_prefetch(reinterpret_cast<const char*>(wu + l + far), _MM_HINT_T1);
       }
-      if constexpr (Fmt == kQ4_0)
-        if (u + kQ4Lag < units) q4_unpack_unit(wu + kQ4Lag * ub, bq[(u + kQ4Lag) % kQ4Ring]);
-      const auto* bu = bq[Fmt == kQ4_0 ? u % kQ4Ring : 0];
-      if (u & 1) qamx_unit_tiles<Fmt, true>(wu, xq, ld, 2 * u, cbuf[1], bu);
-      else qamx_unit_tiles<Fmt, false>(wu, xq, ld, 2 * u, cbuf[0], bu);
+      if (u + kRingLag < units) ring_unit<Fmt>(wu + kRingLag * ub, bq[(u + kRingLag) % kRingSlots]);
+      const auto* bu = bq[u % kRingSlots];
+      if (u & 1) qamx_unit_tiles<true>(xq, ld, 2 * u, cbuf[1], bu);
+      else qamx_unit_tiles<false>(xq, ld, 2 * u, cbuf[0], bu);
     }
-    if (u > 0) qamx_unit_scale<Fmt, M>(wu - ub, xd, xs, ld, 2 * (u - 1), cbuf[(u - 1) & 1], f);
+    if (u > 0) qamx_unit_scale<M>(wu - ub, xd, ld, 2 * (u - 1), cbuf[(u - 1) & 1], f);
   }
   TILE_RELEASE();
   for (int t = 0; t < M; ++t) _mm512_storeu_ps(acc + t * kQRows, f[t]);
@@ -165,5 +166,4 @@ void qamx_mk_a8(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, cons
 #undef TILE_LOAD
 #undef TILE_STORE
 #undef TILE_DP_SS
-#undef TILE_DP_SU
 #undef TILE_RELEASE

@@ -432,6 +432,15 @@ class MoETransformer:
         self._decode_norm = kd.rms_norm
         return ops, None
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm, by the C++ kernel where the decode kernels are bound (bit-exact with rms_norm, and at a
+        prompt's thousands of rows about 17x faster than torch's fp32 temporaries, which leave the caches:
+        2.2 against 38 ms at 4096 x 2048, Intel Xeon family 6 model 207), else in torch."""
+        if self._decode_norm is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 and \
+                x.is_contiguous() and weight.device.type == "cpu":
+            return self._decode_norm(x, weight, eps)
+        return rms_norm(x, weight, eps)
+
     def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor | None:
         """A reusable output buffer for decode steps (one token per row); None for prefill, whose shapes vary."""
         if shape[0] > self.max_batch:
@@ -604,7 +613,7 @@ class MoETransformer:
         if len({s.slot for s in segments}) != len(segments):
             raise ValueError("two segments on the same cache row")
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        norm = rms_norm_f32 if self.fp32_quant_acts else rms_norm
+        norm = rms_norm_f32 if self.fp32_quant_acts else self._norm
         with torch_threads(self.torch_linear_threads if self._torch_serves_linears(N) else None):
             if N == len(segments) and self.decode_fastpath and self._decode_ops is not None and \
                     tokens.device.type == "cpu":  # one token per sequence: the fused decode step, row by row
@@ -622,7 +631,7 @@ class MoETransformer:
             if want_logits is not None:
                 ends = ends[torch.as_tensor(want_logits, dtype=torch.bool)]
             x = x.to(self.norm.device)[ends.to(self.norm.device)]
-            return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32)
+            return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32)
 
     # ------------------------------------------------------------------ MLP / MoE
 
@@ -721,7 +730,7 @@ class MoETransformer:
     def _forward(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
         B, T = tokens.shape
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        norm = rms_norm_f32 if self.fp32_quant_acts else rms_norm  # final norm: bf16 into the bf16 lm_head
+        norm = rms_norm_f32 if self.fp32_quant_acts else self._norm  # final norm: bf16 into the bf16 lm_head
         x = F.embedding(tokens.reshape(-1).to(self.embed.device), self.embed)  # [B*T, H]
         for i, layer in enumerate(self.layers):
             if x.device != layer.device:
@@ -730,8 +739,8 @@ class MoETransformer:
             x = self._moe(i, x, norm(x, layer.post_norm, eps), layer.router, T == 1 and B > 1)
         x = x.to(self.norm.device)
         if all_logits:
-            return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
+            return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
         x = x.view(B, T, -1)[:, -1].contiguous()
         # Note: decode logits live in a reused buffer, valid until the next forward call.
-        return self.lm_head(rms_norm(x, self.norm, eps), out_dtype=torch.float32,
+        return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32,
                             out=self._buf("logits", (B, cfg.vocab_size), torch.float32))

@@ -49,6 +49,17 @@ def test_rms_norm_bit_exact(n, rows):
         assert torch.equal(bits(out), bits(rms_norm(x, w, 1e-6)))
 
 
+@pytest.mark.parametrize("n", [100, 2048])
+def test_rms_norm_bit_exact_at_prompt_rows(n):
+    """A prompt's rows (the engine's prefill norms): split over the kernel's threads, in place too."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(700, n, generator=g) * 4).to(BF16)
+    w = torch.randn(n, generator=g).to(BF16)
+    ref = rms_norm(x, w, 1e-5)
+    assert torch.equal(bits(kd.rms_norm(x, w, 1e-5)), bits(ref))
+    assert torch.equal(bits(kd.rms_norm(x, w, 1e-5, out=x)), bits(ref))
+
+
 def test_rms_norm_in_place_and_batched_shape():
     x = torch.randn(2, 3, 40).to(BF16)
     w = torch.randn(40).to(BF16)

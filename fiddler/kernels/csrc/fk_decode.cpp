@@ -46,75 +46,6 @@ int fail(const std::string& msg) {
   return -1;
 }
 
-// ---------------------------------------------------------------- torch's fp32 sum, replayed
-// x.pow(2).mean(-1) on the CPU is at::sum then a division by n. The sum is ATen's cascade_sum
-// (aten/src/ATen/native/cpu/SumKernel.cpp): an inner contiguous row of n >= 8 floats is summed as
-// Vectorized<float> units of 8 lanes (the reduction kernels are compiled for AVX2 even where torch
-// reports AVX512: 8 lanes, checked against torch 2.13 on an AVX512 CPU), 4 independent
-// accumulators (ilp), a 4-level cascade; then the scalar tail, then the 8 lanes in order. Shorter
-// rows use the same cascade on scalars. Replaying it makes rms_norm bit-exact against torch.
-constexpr int kSumLanes = 8;
-
-int64_t ceil_log2(int64_t x) {
-  if (x <= 2) return 1;
-  return 64 - __builtin_clzll(uint64_t(x - 1));
-}
-
-// ATen multi_row_sum<nrows = 4>: units are `lanes`-wide; unit u of row r starts at x2 + (4u + r) * lanes.
-void multi_row_sum(const float* x2, int lanes, int64_t size, float out[4][kSumLanes]) {
-  constexpr int kLevels = 4;
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
-  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
-  float acc[kLevels][4][kSumLanes] = {};
-  auto add_unit = [&](float* a, int64_t unit) {
-    for (int l = 0; l < lanes; ++l) a[l] += x2[unit * lanes + l];
-  };
-  int64_t i = 0;
-  for (; i + level_step <= size;) {
-    for (int64_t j = 0; j < level_step; ++j, ++i)
-      for (int k = 0; k < 4; ++k) add_unit(acc[0][k], i * 4 + k);
-    for (int j = 1; j < kLevels; ++j) {
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < lanes; ++l) {
-          acc[j][k][l] += acc[j - 1][k][l];
-          acc[j - 1][k][l] = 0.0f;
-        }
-      if ((i & (level_mask << (j * level_power))) != 0) break;
-    }
-  }
-  for (; i < size; ++i)
-    for (int k = 0; k < 4; ++k) add_unit(acc[0][k], i * 4 + k);
-  for (int j = 1; j < kLevels; ++j)
-    for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < lanes; ++l) acc[0][k][l] += acc[j][k][l];
-  std::memcpy(out, acc[0], sizeof(acc[0]));
-}
-
-// ATen row_sum (ilp 4) over `size` units of `lanes` floats; result in out[0..lanes).
-void row_sum(const float* x2, int lanes, int64_t size, float* out) {
-  float p[4][kSumLanes];
-  multi_row_sum(x2, lanes, size / 4, p);
-  for (int64_t i = size / 4 * 4; i < size; ++i)
-    for (int l = 0; l < lanes; ++l) p[0][l] += x2[i * lanes + l];
-  for (int k = 1; k < 4; ++k)
-    for (int l = 0; l < lanes; ++l) p[0][l] += p[k][l];
-  std::memcpy(out, p[0], sizeof(float) * lanes);
-}
-
-float torch_sum(const float* x2, int64_t n) {
-  float v[kSumLanes];
-  if (n < kSumLanes) {  // scalar_inner_sum
-    row_sum(x2, 1, n, v);
-    return v[0];
-  }
-  const int64_t nv = n / kSumLanes;  // vectorized_inner_sum
-  row_sum(x2, kSumLanes, nv, v);
-  float s = 0.0f;
-  for (int64_t k = nv * kSumLanes; k < n; ++k) s += x2[k];
-  for (int l = 0; l < kSumLanes; ++l) s += v[l];
-  return s;
-}
-
 thread_local std::vector<float> g_scratch;
 
 }  // namespace
@@ -125,31 +56,41 @@ using namespace fk::decode;
 
 FK_API const char* fk_decode_last_error() { return g_error.c_str(); }
 
+namespace {
+struct NormRows {
+  const uint16_t* x;
+  const uint16_t* w;
+  int64_t n;
+  float eps;
+  uint16_t* out;
+  int isa;
+};
+
+void norm_rows(const void* c, int64_t r0, int64_t r1) {
+  const NormRows& a = *static_cast<const NormRows*>(c);
+  std::vector<float>& h = g_scratch;  // per thread
+  if (int64_t(h.size()) < 2 * a.n) h.resize(size_t(2 * a.n));
+  switch (a.isa) {
+#if defined(__x86_64__)
+    case 2: return avx512::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+    case 1: return avx2::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+#endif
+    default: return generic::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+  }
+}
+}  // namespace
+
 // out[r] = bf16(w * bf16(h * 1/sqrt(mean(h^2) + eps))), h = float(x[r]): fiddler.model.rms_norm on
 // bf16 (torch: fp32 norm, cast to bf16, bf16 * bf16 computed in fp32 and rounded once). Bit-exact,
-// including the mean's summation order (torch_sum above) and 1/sqrt as torch's rsqrt computes it.
-// x, out: [rows, n] contiguous (out may alias x); w: [n].
+// including the mean's summation order (torch_sum, fk_decode_impl.h) and 1/sqrt as torch's rsqrt computes it.
+// x, out: [rows, n] contiguous (out may alias x: a row is read whole before it is written); w: [n].
+// Rows are independent, so a prompt's many rows are split over the kernel's threads (each row is
+// computed the same way wherever it runs); a decode step's few rows stay on the calling thread.
 FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t n, float eps, uint16_t* out) {
   if (rows < 0 || n < 1) return fail("rmsnorm: rows must be >= 0 and n >= 1");
   if (!x || !w || !out) return fail("rmsnorm: null pointer");
-  std::vector<float>& h = g_scratch;
-  if (int64_t(h.size()) < 2 * n) h.resize(size_t(2 * n));
-  float* hf = h.data();
-  float* h2 = hf + n;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = x + r * n;
-    for (int64_t i = 0; i < n; ++i) {
-      hf[i] = fk::bf16_to_f32(xr[i]);
-      h2[i] = hf[i] * hf[i];
-    }
-    const float mean = torch_sum(h2, n) / float(n);
-    const float inv = 1.0f / std::sqrt(mean + eps);
-    uint16_t* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) {
-      const float hb = fk::bf16_to_f32(fk::f32_to_bf16(hf[i] * inv));
-      o[i] = fk::f32_to_bf16(fk::bf16_to_f32(w[i]) * hb);
-    }
-  }
+  const NormRows ctx{x, w, n, eps, out, fk_isa()};
+  fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows, &ctx);
   return 0;
 }
 

@@ -170,3 +170,92 @@ static void attend_heads(const uint16_t* qkv, int64_t nh, int64_t nkv, int64_t d
     attend_one(qf, kcache + head * d, vcache + head * d, d, j0, L, scale, s, acc, out + bh * d);
   }
 }
+
+// ---------------------------------------------------------------- torch's fp32 sum, replayed
+// x.pow(2).mean(-1) on the CPU is at::sum then a division by n. The sum is ATen's cascade_sum
+// (aten/src/ATen/native/cpu/SumKernel.cpp): an inner contiguous row of n >= 8 floats is summed as
+// Vectorized<float> units of 8 lanes (the reduction kernels are compiled for AVX2 even where torch
+// reports AVX512: 8 lanes, checked against torch 2.13 on an AVX512 CPU), 4 independent
+// accumulators (ilp), a 4-level cascade; then the scalar tail, then the 8 lanes in order. Shorter
+// rows use the same cascade on scalars. Replaying it makes rms_norm bit-exact against torch. The lane
+// count is a template argument so that the 8-lane units compile to vector adds (same order, same bits).
+constexpr int kSumLanes = 8;
+
+static inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(uint64_t(x - 1));
+}
+
+// ATen multi_row_sum<nrows = 4>: units are `Lanes`-wide; unit u of row r starts at x2 + (4u + r) * Lanes.
+template <int Lanes>
+static void multi_row_sum(const float* x2, int64_t size, float out[4][Lanes]) {
+  constexpr int kLevels = 4;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  float acc[kLevels][4][Lanes] = {};
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < Lanes; ++l) acc[0][k][l] += x2[(i * 4 + k) * Lanes + l];
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < Lanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < Lanes; ++l) acc[0][k][l] += x2[(i * 4 + k) * Lanes + l];
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < Lanes; ++l) acc[0][k][l] += acc[j][k][l];
+  __builtin_memcpy(out, acc[0], sizeof(acc[0]));
+}
+
+// ATen row_sum (ilp 4) over `size` units of `Lanes` floats; result in out[0..Lanes).
+template <int Lanes>
+static void row_sum(const float* x2, int64_t size, float* out) {
+  float p[4][Lanes];
+  multi_row_sum<Lanes>(x2, size / 4, p);
+  for (int64_t i = size / 4 * 4; i < size; ++i)
+    for (int l = 0; l < Lanes; ++l) p[0][l] += x2[i * Lanes + l];
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < Lanes; ++l) p[0][l] += p[k][l];
+  __builtin_memcpy(out, p[0], sizeof(float) * Lanes);
+}
+
+static float torch_sum(const float* x2, int64_t n) {
+  float v[kSumLanes];
+  if (n < kSumLanes) {  // scalar_inner_sum
+    row_sum<1>(x2, n, v);
+    return v[0];
+  }
+  const int64_t nv = n / kSumLanes;  // vectorized_inner_sum
+  row_sum<kSumLanes>(x2, nv, v);
+  float s = 0.0f;
+  for (int64_t k = nv * kSumLanes; k < n; ++k) s += x2[k];
+  for (int l = 0; l < kSumLanes; ++l) s += v[l];
+  return s;
+}
+
+// out[r] = bf16(w * bf16(h * 1/sqrt(mean(h^2) + eps))), h = float(x[r]), for rows [r0, r1) of [rows, n]
+// (fk_rmsnorm_bf16); scratch: 2n floats. A row is read whole before it is written (out may alias x).
+static void rmsnorm_rows(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out, int64_t r0,
+                         int64_t r1, float* scratch) {
+  float* hf = scratch;
+  float* h2 = hf + n;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* xr = x + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      hf[i] = ld(xr[i]);
+      h2[i] = hf[i] * hf[i];
+    }
+    const float inv = 1.0f / std::sqrt(torch_sum(h2, n) / float(n) + eps);
+    uint16_t* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = st(ld(w[i]) * rnd(hf[i] * inv));
+  }
+}

@@ -152,7 +152,8 @@ std::atomic<int> g_qamx{-1};
 // AVX-512 one (kQAmxNever: never); both give the same bits, so the crossover is a speed choice only. On
 // a Mixtral-8x7B expert streamed from DRAM (Intel Xeon, family 6 model 207, 2 threads, interleaved) the
 // tiles ran Q4_0 at 0.69x the vector kernel's speed at 4 tokens, 1.02x at 8 and 1.11-1.34x at 10-16,
-// and Q8_0 at 0.79x at 4, 0.89-0.99x at 8-14 and 1.10x at 16: each block's per-token fp32 scaling is
+// and Q8_0 at 0.79x at 4, 0.89-0.99x at 8-14 and 1.10x at 16 (1.15-1.31x at 16, 0.80-0.89x at 8-14 once
+// its B tiles went through the ring, 2026-12-05): each block's per-token fp32 scaling is
 // left on the vector units, and a Q8_0 block is twice the bytes to hide it behind. quant.tune_amx
 // measures it per machine.
 constexpr int kDefaultQAmxMinTokens[kNumQFormats] = {16, 8};  // Q8_0, Q4_0

@@ -398,7 +398,7 @@ class MoETransformer:
         self.scale = attention_scale(cfg)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
-        self._decode_norm = None
+        self._kernel_norm = None  # fiddler.kernels.decode.rms_norm where the decode kernels are bound
         self._decode_ops, why = self._make_decode_ops(use_kernel)
         if decode_fastpath and self._decode_ops is None:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
@@ -429,16 +429,16 @@ class MoETransformer:
                                      sliding_window=self.cfg.sliding_window)
         except (TypeError, ValueError) as e:
             return None, str(e)
-        self._decode_norm = kd.rms_norm
+        self._kernel_norm = kd.rms_norm
         return ops, None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm, by the C++ kernel where the decode kernels are bound (bit-exact with rms_norm, and at a
         prompt's thousands of rows about 17x faster than torch's fp32 temporaries, which leave the caches:
         2.2 against 38 ms at 4096 x 2048, Intel Xeon family 6 model 207), else in torch."""
-        if self._decode_norm is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 and \
+        if self._kernel_norm is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 and \
                 x.is_contiguous() and weight.device.type == "cpu":
-            return self._decode_norm(x, weight, eps)
+            return self._kernel_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
 
     def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor | None:
@@ -681,7 +681,7 @@ class MoETransformer:
         With `rows` (continuous batching): row b's token sits at position pos[b] of cache row rows[b]."""
         cfg, eps, dt = self.cfg, self.cfg.rms_norm_eps, self.dtype
         B, H = tokens.shape[0], cfg.hidden_size
-        norm, attend = self._decode_norm, self._decode_ops
+        norm, attend = self._kernel_norm, self._decode_ops
         if attend.k_cache is not self.cache.k or attend.v_cache is not self.cache.v:
             raise RuntimeError("the KV cache was replaced after the decode kernels were bound to it")
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -198,8 +198,15 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
         if last or not improvable or bool(stops.all()):
             break
         ts = time.perf_counter()
-        if not bool((beam_idx == torch.arange(B, device=dev)).all()):
-            model.cache.reorder(beam_idx, S + step - 1)
+        if step == 1:
+            # Only row 0 holds the prompt. Every row takes it: the beams (all continuations of row 0) and the
+            # placeholder beams a vocabulary smaller than the width leaves (scored -1e9). So from here on the
+            # rows agree on the prompt, and on the tokens all beams share, and reorders skip those.
+            model.cache.reorder(torch.zeros(B, dtype=torch.long, device=dev), S)
+        elif not bool((beam_idx == torch.arange(B, device=dev)).all()):
+            # The cache holds the prompt and the tokens of columns [0, step - 1) of the beams before this
+            # step's choice, which all share their first prefix[-2] tokens.
+            model.cache.reorder(beam_idx, S + step - 1, start=S + prefix[-2])
         logits = model.forward(seqs[:, step - 1 : step], S + step - 1)
         _check_finite(logits, step)
         log_probs = torch.log_softmax(logits, dim=-1)

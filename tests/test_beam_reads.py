@@ -60,10 +60,11 @@ def test_the_decode_bound_counts_each_steps_distinct_experts_per_layer(beams):
     assert cfg.top_k < stats["decode_experts_per_layer"] <= cfg.expert_slots  # 4 beams share some experts
 
 
+@pytest.mark.parametrize("start", [0, 4, 10])
 @pytest.mark.parametrize("beam_idx", [[0, 1, 2, 3], [1, 0, 3, 2], [0, 0, 1, 2], [3, 3, 3, 3], [2, 1, 0, 0]])
-def test_the_kv_reorder_copies_the_rows_that_change_into_every_beam(beam_idx):
+def test_the_kv_reorder_copies_the_rows_that_change_into_every_beam(beam_idx, start):
     # Only moved rows are copied; the result is every row b holding old row beam_idx[b] (swaps, several beams
-    # from one row, rows that keep their own), on the filled prefix, the rest untouched.
+    # from one row, rows that keep their own) on positions [start, 10), every other position untouched.
     import torch
 
     from fiddler.config import MoEConfig
@@ -76,7 +77,8 @@ def test_the_kv_reorder_copies_the_rows_that_change_into_every_beam(beam_idx):
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     k0, v0 = cache.k.clone(), cache.v.clone()
     idx = torch.tensor(beam_idx)
-    cache.reorder(idx, 10)
+    cache.reorder(idx, 10, start=start)
     for new, old in ((cache.k, k0), (cache.v, v0)):
-        assert torch.equal(new[:, :, :, :10], old[:, :, :, :10].index_select(1, idx))
+        assert torch.equal(new[:, :, :, start:10], old[:, :, :, start:10].index_select(1, idx))
+        assert torch.equal(new[:, :, :, :start], old[:, :, :, :start])
         assert torch.equal(new[:, :, :, 10:], old[:, :, :, 10:])

@@ -20,10 +20,20 @@ class HistoryCache:
     def __init__(self, rows: int, length: int):
         self.hist = torch.full((rows, length), -1, dtype=torch.long)
         self.reorders = 0
+        self.starts: list[int] = []
 
-    def reorder(self, beam_idx, length):
+    def reorder(self, beam_idx, length, start=0):
+        # Copies only [start, length), as the KV cache does, and checks that this equals copying the whole
+        # filled prefix: a `start` past what every row shares would leave a row with another beam's tokens.
+        # Rows never filled (-1: the placeholder beams of the first steps, scored -1e9, when the vocabulary
+        # has fewer continuations than there are beams) hold nothing to keep.
         self.reorders += 1
-        self.hist[: beam_idx.shape[0], :length] = self.hist[beam_idx, :length]
+        self.starts.append(start)
+        B = beam_idx.shape[0]
+        whole = self.hist[beam_idx, :length]
+        self.hist[:B, start:length] = self.hist[beam_idx, start:length]
+        real = (whole >= 0).all(dim=1)
+        assert torch.equal(self.hist[:B, :length][real], whole[real]), f"reorder from {start} differs from a whole copy"
 
 
 class ToyModel:
@@ -185,3 +195,17 @@ def test_beam_stats_record_the_common_prefix(beam_width):
     assert 1 <= len(lens) <= 10
     assert all(0 <= p <= i + 1 for i, p in enumerate(lens))
     assert lens == sorted(lens)
+
+
+@pytest.mark.parametrize("vocab,seed,beam_width", [(3, 5, 2), (3, 5, 4), (2, 1, 3), (4, 7, 2)])
+def test_the_reorder_skips_only_what_every_beam_shares(vocab, seed, beam_width):
+    """After the first step the cache reorder starts past the prompt and the tokens all beams share; the
+    returned score is still the true log-prob of the returned tokens (a row left with another beam's
+    history would change it), and the reorders did skip shared tokens."""
+    model, prompt = ToyModel(vocab=vocab, seed=seed), [1, 0, 1]
+    out = generate(model, torch.tensor(prompt), 14, beam_width=beam_width)
+    assert out.sequences_scores == pytest.approx(_seq_logprob(model, prompt, out.tokens.tolist()) / len(out.tokens),
+                                                 abs=1e-5)
+    starts = model.cache.starts
+    assert starts[0] == 0 and all(s >= len(prompt) for s in starts[1:])
+    assert any(s > len(prompt) for s in starts[1:])

@@ -205,7 +205,9 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
             model.cache.reorder(torch.zeros(B, dtype=torch.long, device=dev), S)
         elif not bool((beam_idx == torch.arange(B, device=dev)).all()):
             # The cache holds the prompt and the tokens of columns [0, step - 1) of the beams before this
-            # step's choice, which all share their first prefix[-2] tokens.
+            # step's choice, which all share their first prefix[-2] tokens: rows with the same tokens hold
+            # the same entries, since each row's are computed from its own tokens alone (the kernels'
+            # contract: a row's bits do not depend on the rows beside it).
             model.cache.reorder(beam_idx, S + step - 1, start=S + prefix[-2])
         logits = model.forward(seqs[:, step - 1 : step], S + step - 1)
         _check_finite(logits, step)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fiddler.generate import check_lengths, generate, warp_logits
+from fiddler.generate import _check_finite, check_lengths, generate, warp_logits
 
 
 class HistoryCache:
@@ -157,6 +157,22 @@ def test_nan_logits_raise_with_step_number():
         generate(ToyModel(nan_at_step=3), torch.tensor([1, 2]), 10)
     with pytest.raises(FloatingPointError, match="step 0"):
         generate(ToyModel(nan_at_step=0), torch.tensor([1, 2]), 10, beam_width=2)
+
+
+@pytest.mark.parametrize("bad, name", [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf"), (None, None)])
+def test_the_finite_check_is_elementwise(bad, name):
+    # logits whose sum overflows are finite (no error); one inf, -inf or NaN among them is caught, also
+    # beside an inf of the other sign (whose sum is NaN)
+    logits = torch.full((4, 100), 3e38)
+    if bad is None:
+        _check_finite(logits, 1)
+        return
+    logits[2, 7] = bad
+    with pytest.raises(FloatingPointError, match=f"{name} in logits at generation step 5"):
+        _check_finite(logits, 5)
+    logits[0, 0] = -bad
+    with pytest.raises(FloatingPointError, match="step 5"):
+        _check_finite(logits, 5)
 
 
 def test_length_checks_name_both_numbers():

@@ -29,8 +29,8 @@ if [ "$MODE" = prepare ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
   rm -rf .whl && mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 --platform any -d .whl \
-    hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 "gguf>=0.10" diskcache
+    --platform manylinux2014_x86_64 --platform any -d .whl hydra-core==1.3.2 omegaconf==2.3.0 "gguf>=0.10" diskcache
+  python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # omegaconf's pin: an sdist only, pure Python
   wheel=$(ls "${LLAMACPP_WHEELS:-${FIDDLER_CACHE:-$HOME/.cache/fiddler}/wheels}"/llama-cpp-python-*/llama_cpp_python-*.whl 2>/dev/null | head -1 || true)
   if [ -n "$wheel" ]; then cp "$wheel" .whl/; else echo "no llama-cpp-python wheel built here (scripts/install.sh): section 6 will say why"; fi
   du -sh .whl && ls .whl

@@ -16,11 +16,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def dc():
+    """The driver (it puts its folder on sys.path, so its dc_* modules import as they do when run)."""
     spec = importlib.util.spec_from_file_location("device_check_driver", ROOT / "scripts/device_check/driver.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses resolve their annotations through it
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def parts(dc):
+    import dc_common
+    import dc_gpu
+    import dc_offload
+
+    return dc_common, dc_gpu, dc_offload
 
 
 def write_complete(dc, out: pathlib.Path) -> None:
@@ -66,23 +76,25 @@ def test_a_section_that_stops_or_raises_says_why(dc, tmp_path, monkeypatch):
     assert d["status"] == "failed" and "RuntimeError: no such device" in d["reason"] and "traceback" in d
 
 
-def test_overlap_and_link_arithmetic(dc):
-    o = dc.overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], [(2.5, 5.5)])
+def test_overlap_and_link_arithmetic(parts):
+    common, _gpu, offload = parts
+    o = offload.overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], [(2.5, 5.5)])
     assert o["a_s"] == pytest.approx(4.0) and o["b_s"] == pytest.approx(3.0)
     assert o["both_s"] == pytest.approx(1.0) and o["fraction"] == pytest.approx(1 / 3)
-    assert dc.overlap([], [(0.0, 1.0)])["fraction"] is None
-    assert dc.pcie_link_gbps(4, 16) == pytest.approx(31.5, rel=1e-3)
-    assert dc.pcie_link_gbps(5, 16) == pytest.approx(63.0, rel=1e-3)
-    assert dc.pcie_link_gbps(2, 8) == pytest.approx(4.0)
+    assert offload.overlap([], [(0.0, 1.0)])["fraction"] is None
+    assert common.pcie_link_gbps(4, 16) == pytest.approx(31.5, rel=1e-3)
+    assert common.pcie_link_gbps(5, 16) == pytest.approx(63.0, rel=1e-3)
+    assert common.pcie_link_gbps(2, 8) == pytest.approx(4.0)
 
 
-def test_stress_sees_a_copy_that_did_not_land(dc, tmp_path, monkeypatch):
+def test_stress_sees_a_copy_that_did_not_land(dc, parts, tmp_path, monkeypatch):
     """The stress compares kind b with kind a bit for bit: a copy that leaves a buffer stale (what a missing
     wait between the streams does on a GPU) must show, and the honest executor must pass."""
     from fiddler.executors.copy_in import CopyIn
 
     ctx = dc.Ctx(tmp_path, True, tmp_path)
-    good = dc.stress_copy_buffers(ctx, torch.float32, delay_s=0.0, layers=2, seeds=1)
+    stress = parts[1].stress_copy_buffers
+    good = stress(ctx, torch.float32, delay_s=0.0, layers=2, seeds=1)
     assert good["b_equals_a_bitwise"] and good["c_within_tolerance"]
     assert good["copies_per_layer_call"] > good["copy_buffers"]  # each buffer is reused within a layer
 
@@ -96,7 +108,7 @@ def test_stress_sees_a_copy_that_did_not_land(dc, tmp_path, monkeypatch):
         return real(self, slot, dsts, srcs)
 
     monkeypatch.setattr(CopyIn, "copy", sometimes_stale)
-    bad = dc.stress_copy_buffers(ctx, torch.float32, delay_s=0.0, layers=2, seeds=1)
+    bad = stress(ctx, torch.float32, delay_s=0.0, layers=2, seeds=1)
     assert not bad["b_equals_a_bitwise"] and bad["max_abs_b_minus_a"] > 0
 
 

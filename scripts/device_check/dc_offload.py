@@ -1,0 +1,270 @@
+"""Sections 4-5 of the device check: Fiddler's offload and transformers' offload of the same model."""
+from __future__ import annotations
+
+import os
+import pathlib
+import statistics
+import time
+import warnings
+
+import torch
+
+from dc_common import ROOT, Ctx, popularity_target, skipped, timed
+from dc_model import budget_bytes, make_model, prompt_ids
+
+
+# --------------------------------------------------------------------------------------------- 4 offload
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> dict:
+    """How much of two sets of intervals (seconds) ran at the same time: |A and B| / min(|A|, |B|)."""
+    def merged(iv):
+        out = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+
+    ma, mb = merged(a), merged(b)
+    tot_a, tot_b = sum(e - s for s, e in ma), sum(e - s for s, e in mb)
+    both, i, j = 0.0, 0, 0
+    while i < len(ma) and j < len(mb):
+        both += max(0.0, min(ma[i][1], mb[j][1]) - max(ma[i][0], mb[j][0]))
+        if ma[i][1] < mb[j][1]:
+            i += 1
+        else:
+            j += 1
+    small = min(tot_a, tot_b)
+    return {"a_s": tot_a, "b_s": tot_b, "both_s": both, "fraction": both / small if small > 0 else None}
+
+
+def profile_intervals(ctx: Ctx, engine, ids, new_tokens: int) -> dict:
+    """One generate with the CPU queue's intervals (timed in whichever thread runs it), the GPU side's
+    compute and its weight copies (on CUDA: device kernels and HtoD memcpys from torch.profiler, moved onto
+    the host clock by a marker; on the emulated GPU: the executor's calls, timed), and their overlaps."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    ex = engine.executor
+    iv: dict[str, list] = {"cpu_queue": [], "gpu_compute": [], "copy": []}
+    wrapped = []
+
+    def timed_calls(attr, kind):
+        real = getattr(ex, attr)
+
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                iv[kind].append((t0, time.perf_counter()))  # list.append is atomic: any thread may add
+
+        setattr(ex, attr, call)
+        wrapped.append(attr)
+
+    timed_calls("_run_cpu_queue", "cpu_queue")
+    timed_calls("_decode_row_on_cpu", "cpu_queue")
+    if not ctx.cuda:
+        timed_calls("_gpu_expert", "gpu_compute")
+        timed_calls("_copy_in", "copy")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    try:
+        with profile(activities=acts) as prof:
+            mark = time.perf_counter()
+            with record_function("dc.mark"):
+                pass
+            engine.generate(ids, max_new_tokens=new_tokens)
+            ctx.sync()
+    finally:
+        for attr in wrapped:
+            delattr(ex, attr)  # the instance attribute goes; the class's method shows again
+    if ctx.cuda:
+        evs = list(prof.events())
+        m = next((e for e in evs if e.name == "dc.mark"), None)
+        device = [e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA]
+        if m is None or not device:
+            return skipped(f"the profiler returned {'no marker' if m is None else 'no device events'}")
+        shift = mark - m.time_range.start / 1e6  # profiler microseconds -> perf_counter seconds
+        for ev in device:
+            span = (ev.time_range.start / 1e6 + shift, ev.time_range.end / 1e6 + shift)
+            iv["copy" if "HtoD" in ev.name else "gpu_compute"].append(span)
+    return {"cpu_vs_gpu": overlap(iv["cpu_queue"], iv["gpu_compute"]),
+            "copy_vs_compute": overlap(iv["copy"], iv["gpu_compute"]),
+            "intervals": {k: len(v) for k, v in iv.items()}}
+
+
+def makespans(ctx: Ctx, engine, ids, new_tokens: int) -> dict:
+    """The planner's predicted makespan of each MoE call against its measured one (device synced around
+    each call, so this pass is not the timed one)."""
+    ex = engine.executor
+    real = ex.forward
+    calls = []
+
+    def measured(layer, x, idx, w):
+        before = ex.stats.predicted_s
+        ctx.sync()
+        t0 = time.perf_counter()
+        out = real(layer, x, idx, w)
+        ctx.sync()
+        calls.append((int(idx.shape[0]), ex.stats.predicted_s - before, time.perf_counter() - t0))
+        return out
+
+    ex.forward = measured
+    try:
+        engine.generate(ids, max_new_tokens=new_tokens)
+    finally:
+        del ex.forward
+    out = {}
+    for name, sel in (("prefill", lambda t: t > 1), ("decode", lambda t: t == 1)):
+        rows = [(p, m) for t, p, m in calls if sel(t)]
+        if rows:
+            out[name] = {"calls": len(rows), "predicted_s": sum(p for p, _ in rows),
+                         "measured_s": sum(m for _, m in rows),
+                         "measured_over_predicted": sum(m for _, m in rows) / max(1e-12, sum(p for p, _ in rows)),
+                         "median_call_ratio": statistics.median(m / p for p, m in rows if p > 0)
+                         if any(p > 0 for p, _ in rows) else None}
+    return out
+
+
+def sync_census(ctx: Ctx, engine, ids, new_tokens: int) -> dict:
+    """Where the engine makes the host wait for the GPU: torch's sync debug mode warns at each syncing
+    call; the warnings are counted by the Python line that made them."""
+    if not ctx.cuda:
+        return skipped("torch.cuda.set_sync_debug_mode needs CUDA")
+    sites: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(ids, max_new_tokens=new_tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        key = f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}"
+        sites[key] = sites.get(key, 0) + 1
+    steps = new_tokens
+    return {"generate_new_tokens": steps, "syncs": sum(sites.values()),
+            "syncs_per_token": sum(sites.values()) / max(1, steps),
+            "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1]))}
+
+
+def load_fiddler(ctx: Ctx, path: pathlib.Path):
+    from fiddler import Engine
+    from fiddler.config import MoEConfig
+    from fiddler.executors import FiddlerPolicy, GpuSide
+    from fiddler.popularity import Popularity
+
+    shape = ctx.shape
+    cfg = MoEConfig.from_pretrained(path)
+    max_seq_len = shape.prefill + 64
+    probe = GpuSide.cuda(1 << 30) if ctx.cuda else GpuSide.emulated(1 << 30)
+    budget, resident = budget_bytes(ctx, cfg, max_seq_len, probe.overhead_bytes())
+    gpu = GpuSide.cuda(budget) if ctx.cuda else GpuSide.emulated(budget)
+    engine = Engine.from_pretrained(path, gpu=gpu, dtype=torch.bfloat16, max_seq_len=max_seq_len, max_batch=1,
+                                    executor=FiddlerPolicy(placement="popularity",
+                                                           popularity=Popularity(popularity_target(shape),
+                                                                                 top_k=shape.top_k)))
+    return engine, budget, resident
+
+
+def section_offload(ctx: Ctx) -> dict:
+    shape = ctx.shape
+    t0 = time.perf_counter()
+    path = make_model(ctx)
+    gen_s = time.perf_counter() - t0
+    engine, budget, resident_target = load_fiddler(ctx, path)
+    ex = engine.executor
+    rec = ex.attach_recorder()
+    prefill_ids, decode_ids = prompt_ids(shape.prefill), prompt_ids(32, seed=2)
+    engine.generate(prompt_ids(16, seed=9), max_new_tokens=4)  # warm-up
+    pre = engine.generate(prefill_ids, max_new_tokens=1).stats
+    dec = engine.generate(decode_ids, max_new_tokens=shape.decode).stats
+    ex.recorder = None
+    shares = [[c / max(1e-9, sum(row)) * shape.top_k for c in row] for row in rec.popularity().counts]
+    target = popularity_target(shape)
+    info = engine.info()
+    mem = ({"prefill": pre["cuda_memory"], "decode": dec["cuda_memory"]} if ctx.cuda
+           else skipped("no CUDA: the emulated GPU's memory is host memory (engine.info host_bytes)"))
+    result = {
+        "model": {**shape.arch(), "path": str(path), "generated_s": gen_s, "load_s": info["load_s"]},
+        "budget_bytes": budget, "resident_experts": info["executor_info"]["placement"].get("num_resident"),
+        "resident_target": resident_target, "experts_total": shape.layers * shape.experts,
+        "prefill": {"tokens": shape.prefill, "ttft_s": pre["ttft_s"], "prefill_tok_s": pre["prefill_tok_s"],
+                    "decisions": pre["executor"]},
+        "decode": {"prompt": 32, "new_tokens": shape.decode, "ttft_s": dec["ttft_s"],
+                   "decode_tok_s": dec["decode_tok_s"], "decisions": dec["executor"]},
+        "routing": {"target_shares": target, "measured_shares": shares,
+                    "measured_max_over_min": [max(r) / max(1e-9, min(r)) for r in shares],
+                    "target_max_over_min": [max(r) / min(r) for r in target]},
+        "cuda_memory": mem, "host_bytes": info["host_bytes"],
+        "overlap_decode": profile_intervals(ctx, engine, decode_ids, min(8, shape.decode)),
+        "overlap_prefill": profile_intervals(ctx, engine, prefill_ids, 1),
+        "makespan": makespans(ctx, engine, prefill_ids, 8),
+        "sync_census": sync_census(ctx, engine, decode_ids, 8),
+        "sync_census_prefill": sync_census(ctx, engine, prefill_ids, 1),
+    }
+    if ctx.cuda:  # each generate resets the peak: the larger of the timed prefill's and decode's
+        result["max_memory_reserved"] = max(m["max_memory_reserved"] for m in mem.values())
+    return result
+
+
+# --------------------------------------------------------------------------------------------- 5 transformers
+
+
+def section_hf_offload(ctx: Ctx) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    shape = ctx.shape
+    path = make_model(ctx)
+    fid = ctx.earlier("offload")
+    if ctx.cuda:
+        # the GPU memory Fiddler actually used, so both systems are compared at the same footprint
+        gpu_bytes = (fid or {}).get("max_memory_reserved") or budget_bytes(ctx, _cfg(path), shape.prefill + 64, {})[0]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        kw = {"device_map": "auto", "max_memory": {0: int(gpu_bytes), "cpu": 512 << 30}}
+        placement = f"device_map='auto', max_memory GPU {gpu_bytes / 2**30:.2f} GiB (Fiddler's max_memory_reserved)"
+    else:
+        gpu_bytes, kw = None, {"device_map": {"": "cpu"}}
+        placement = "no GPU: the whole model on the CPU (what transformers does without one)"
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kw).eval()
+    load_s = time.perf_counter() - t0
+    dev = next(model.parameters()).device if not ctx.cuda else torch.device("cuda:0")
+    where = {}
+    for v in getattr(model, "hf_device_map", {"": "cpu"}).values():
+        where[str(v)] = where.get(str(v), 0) + 1
+
+    def gen(ids, n):
+        with torch.inference_mode():
+            model.generate(ids[None].to(dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+
+    gen(prompt_ids(16, seed=9), 2)  # warm-up
+    reps = 1  # a step of its offload reloads every offloaded layer: seconds each on the device
+    ttft = statistics.median(timed(lambda: gen(prompt_ids(shape.prefill), 1), ctx, repeats=reps, warmup=0))
+    decode_ids = prompt_ids(32, seed=2)
+    one = statistics.median(timed(lambda: gen(decode_ids, 1), ctx, repeats=reps, warmup=0))
+    full = timed(lambda: gen(decode_ids, shape.hf_decode), ctx, repeats=1, warmup=0)[0]
+    out = {"placement": placement, "device_map_modules": where, "load_s": load_s,
+           "prefill": {"tokens": shape.prefill, "ttft_s": ttft, "prefill_tok_s": shape.prefill / ttft},
+           "decode": {"prompt": 32, "new_tokens": shape.hf_decode,
+                      "decode_tok_s": (shape.hf_decode - 1) / max(1e-9, full - one)},
+           "gpu_memory_given_bytes": gpu_bytes,
+           "max_memory_reserved": int(torch.cuda.max_memory_reserved()) if ctx.cuda else
+           skipped("no CUDA"),
+           "fiddler_max_memory_reserved": (fid or {}).get("max_memory_reserved")}
+    if fid:
+        out["fiddler_over_transformers"] = {
+            "decode_tok_s": fid["decode"]["decode_tok_s"] / out["decode"]["decode_tok_s"],
+            "ttft": out["prefill"]["ttft_s"] / fid["prefill"]["ttft_s"]}
+    return out
+
+
+def _cfg(path):
+    from fiddler.config import MoEConfig
+
+    return MoEConfig.from_pretrained(path)

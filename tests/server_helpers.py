@@ -118,10 +118,12 @@ def inprocess_server(loader, name: str = "tiny"):
     import uvicorn
 
     from fiddler.server.app import ServerState, create_app
+    from fiddler.server.transport import ConnectionLimits, uvicorn_kwargs
 
     state = ServerState(loader, name)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                           **uvicorn_kwargs(ConnectionLimits())))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     try:

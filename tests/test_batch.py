@@ -237,7 +237,6 @@ def test_slots_count_in_the_gpu_side_reservation():
 
 # ---------------------------------------------------------------- a request's own failure is its own (issue 55)
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 1: a sampling error in one request fails its whole step")
 def test_a_failing_sampler_fails_only_its_request(monkeypatch):
     """Whatever goes wrong in one request's own sampling (its warped distribution, its generator) fails that
     request alone: the greedy requests in the same steps get their alone tokens."""
@@ -257,7 +256,6 @@ def test_a_failing_sampler_fails_only_its_request(monkeypatch):
     assert be.scheduler.idle and sorted(be.scheduler._free) == [0, 1, 2, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 1: a temperature of 1e-300 overflows the logits to inf/NaN")
 @pytest.mark.parametrize("temperature", [1e-300, 1e-45])
 def test_a_vanishing_temperature_is_greedy_and_its_neighbours_unharmed(temperature):
     """A temperature too small to divide by (1/T overflows fp32) samples as greedy does (as vLLM treats any
@@ -270,7 +268,6 @@ def test_a_vanishing_temperature_is_greedy_and_its_neighbours_unharmed(temperatu
     assert beside.tokens == alone(model)[4] and tiny.tokens == alone(model)[2]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 5: requests cut by a stop without drain read 'cancelled'")
 def test_stopping_without_drain_aborts_the_requests_in_flight():
     """stop(drain=False) cuts the requests in flight with their own finish reason ('aborted'), not the one a
     client's own cancel gets, so a server can tell a cut answer from a complete or cancelled one."""

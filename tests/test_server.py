@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from runners.models import synthetic_model  # noqa: E402
-from tests.server_helpers import assert_error, metrics, request, running_server, stream  # noqa: E402
+from tests.server_helpers import assert_error, free_port, metrics, request, running_server, stream  # noqa: E402, F401 (test_serve_mode)
 
 
 @pytest.fixture(scope="module")

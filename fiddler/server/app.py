@@ -200,15 +200,34 @@ def create_app(state: ServerState) -> FastAPI:
                                      headers={"Cache-Control": "no-cache"})
         return await run.whole(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_openapi(False, state.model_name))
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_openapi(True, state.model_name))
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
     return app
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _openapi(chat: bool, model: str) -> dict:
+    """A generation route's request body and answers in /openapi.json (the routes read raw bodies, so FastAPI
+    cannot infer them): 503 (loading, draining, a full queue) is the only 5xx a request may meet by design."""
+    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    answers = {"400": "invalid request", "403": "foreign Host or Origin", "404": "unknown model",
+               "413": "body over --max-body-bytes", "415": "not application/json",
+               "503": "loading, draining or a full queue (Retry-After)"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": P.request_schema(chat, model)}}},
+            "responses": {"200": {"description": "the completion, or its server-sent events when stream is true",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **{code: {"description": what, **error} for code, what in answers.items()}}}
 
 
 class _Run:

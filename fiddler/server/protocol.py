@@ -226,6 +226,45 @@ def make_job(body: dict, tokenizer, *, chat: bool, context: int, served_model: s
     return Job(list(ids), params, chat, stream, include_usage, stops, return_ids)
 
 
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def request_schema(chat: bool, served_model: str | None = None) -> dict:
+    """The JSON Schema of a request body, as make_job reads it (published in /openapi.json for clients and
+    for the fuzz campaign, tests/test_server_fuzz.py). Unsupported fields appear with their neutral values."""
+    count = {"type": "integer", "minimum": 1}
+    props = {
+        "model": {"enum": [served_model]} if served_model else {"type": "string"},
+        "max_tokens": _nullable(count),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": -1}),
+        "seed": _nullable({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
+        "stop": _nullable({"anyOf": [{"type": "string"},
+                                     {"type": "array", "items": {"type": "string"}, "maxItems": 4}]}),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "ignore_eos": _nullable({"type": "boolean"}),
+        "return_token_ids": _nullable({"type": "boolean"}),
+        **{k: {"enum": [None, *v]} for k, v in UNSUPPORTED.items()},
+    }
+    if chat:
+        part = {"type": "object", "required": ["type", "text"],
+                "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+        message = {"type": "object", "required": ["role", "content"],
+                   "properties": {"role": {"type": "string"},
+                                  "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+        props |= {"messages": {"type": "array", "items": message, "minItems": 1},
+                  "max_completion_tokens": _nullable(count)}
+        required = ["messages"]
+    else:
+        props["prompt"] = {"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
+        required = ["prompt"]
+    return {"type": "object", "required": required, "properties": props}
+
+
 def usage(job: Job, completion_tokens: int) -> dict:
     p = len(job.prompt_ids)
     return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}

@@ -59,10 +59,11 @@ def run_campaign(base_url: str, examples: int, seed: int | None = 0) -> dict:
                     case.validate_response(response, checks=[_check_no_5xx, status_code_conformance,
                                                              content_type_conformance],
                                            excluded_checks=[not_a_server_error])
-                except Exception as e:  # noqa: BLE001 - every distinct failure is kept, the campaign goes on
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    key = f"{response.status_code} {op.path} {first[:120]}"
-                    failures.setdefault(key, (str(e)[:2000], case.body))
+                except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - each distinct failure is kept, and the
+                    for sub in getattr(e, "exceptions", [e]):   # campaign goes on (schemathesis groups them)
+                        first = (str(sub).strip().splitlines() or [type(sub).__name__])[0]
+                        key = f"{response.status_code} {op.path} {type(sub).__name__}: {first[:120]}"
+                        failures.setdefault(key, (str(sub)[:2000], case.body))
 
             (one if seed is None else hypothesis.seed(seed)(one))()
     return {"requests": sum(statuses.values()), "statuses": dict(sorted(statuses.items())), "failures": failures}

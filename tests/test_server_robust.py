@@ -142,6 +142,34 @@ def test_health_answers_while_a_prompt_is_being_tokenized():
         assert health[0] == 200 and held[0][0] == 200
 
 
+def test_300_half_open_connections_leave_the_server_answering_and_are_closed(S):
+    """The acceptance check on the real server (default --header-timeout 10): 300 connections that never
+    finish their headers are held; a normal request still answers, and the server closes every one of them."""
+    socks = []
+    try:
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", S), timeout=WAIT_S)
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            socks.append(s)
+        st, _, body = request(S, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 0,
+                                                             "ignore_eos": True})
+        assert st == 200 and body["usage"]["completion_tokens"] == 4
+
+        def closed(s):
+            s.settimeout(0)
+            try:
+                return s.recv(1 << 16) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+        wait_until(lambda: all(closed(s) for s in socks), "the server closed every half-open connection")
+    finally:
+        for s in socks:
+            s.close()
+
+
 # ---------------------------------------------------------------- bug 3: stop strings never leak into a stream
 
 def test_streamed_text_never_holds_the_start_of_a_stop_string(S):

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -85,6 +86,9 @@ class ServerState:
     draining: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     ready: threading.Event = field(default_factory=threading.Event)
+    # parsing and tokenizing, off the event loop on one thread: a fast tokenizer is not safe to call from
+    # several threads at once, and one thread bounds the CPU a burst of requests can take from the engine
+    preparer: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "fiddler-prepare"))
 
     def load(self) -> None:
         try:
@@ -177,7 +181,8 @@ def create_app(state: ServerState) -> FastAPI:
         route, path = ("chat" if chat else "completions"), request.url.path
         try:
             state.check_serving()
-            job = await asyncio.to_thread(state.job, await request.body(), chat)
+            raw = await request.body()
+            job = await asyncio.get_running_loop().run_in_executor(state.preparer, state.job, raw, chat)
         except P.APIError as e:
             return fail(path, e)
         except ClientDisconnect:

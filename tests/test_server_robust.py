@@ -142,6 +142,7 @@ def test_health_answers_while_a_prompt_is_being_tokenized():
         assert health[0] == 200 and held[0][0] == 200
 
 
+@pytest.mark.realtime
 def test_300_half_open_connections_leave_the_server_answering_and_are_closed(S):
     """The acceptance check on the real server (default --header-timeout 10): 300 connections that never
     finish their headers are held; a normal request still answers, and the server closes every one of them."""
@@ -193,6 +194,7 @@ def test_streamed_text_never_holds_the_start_of_a_stop_string(S):
 
 # ---------------------------------------------------------------- bug 4: a non-streamed request dies with its client
 
+@pytest.mark.realtime
 def test_a_non_streamed_request_is_cancelled_when_its_client_goes(S):
     before = metrics(S)
     c = http.client.HTTPConnection("127.0.0.1", S, timeout=WAIT_S)
@@ -210,8 +212,9 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes(S):
 
 # ---------------------------------------------------------------- bug 5: a request cut by the drain says so
 
+@pytest.mark.realtime
 def test_a_request_cut_by_the_drain_timeout_reports_abort():
-    with running_server("--slots", "4", "--drain-timeout", "1") as (proc, port):
+    with running_server("--slots", "4", "--drain-timeout", "0.5") as (proc, port):
         got: dict = {}
         body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
@@ -235,6 +238,7 @@ def test_a_request_cut_by_the_drain_timeout_reports_abort():
     assert s[-1] == "[DONE]" and s[-2]["choices"][0]["finish_reason"] == "abort"
 
 
+@pytest.mark.realtime
 def test_a_request_cut_by_the_drain_is_counted_aborted():
     from fiddler.server.app import drain
 

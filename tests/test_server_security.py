@@ -157,6 +157,7 @@ def get_ok(port: int) -> bool:
     return answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
 
 
+@pytest.mark.realtime
 def test_half_open_connections_are_closed_and_a_normal_request_still_answers():
     with bounded_uvicorn(header_timeout_s=1.0, body_timeout_s=1.0) as port:
         socks = []
@@ -176,6 +177,7 @@ def test_half_open_connections_are_closed_and_a_normal_request_still_answers():
                 s.close()
 
 
+@pytest.mark.realtime
 def test_connections_beyond_the_limit_are_closed_at_once():
     with bounded_uvicorn(header_timeout_s=WAIT_S * 2, max_connections=5) as port:
         socks = [socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) for _ in range(5)]

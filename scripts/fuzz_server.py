@@ -70,9 +70,9 @@ def run_campaign(base_url: str, examples: int, seed: int | None = 0) -> dict:
 
 
 def normal_request_ok(base_url: str) -> bool:
-    req = urllib.request.Request(f"{base_url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"prompt": "after", "max_tokens": 3, "temperature": 0,
-                                                  "ignore_eos": True}).encode())
+    body = {"prompt": "after", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(f"{base_url}/v1/completions", method="POST", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
 

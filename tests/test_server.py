@@ -17,7 +17,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from runners.models import synthetic_model  # noqa: E402
-from tests.server_helpers import assert_error, free_port, metrics, request, running_server, stream  # noqa: E402, F401 (test_serve_mode)
+# free_port and request are imported from here by test_serve_mode
+from tests.server_helpers import assert_error, free_port, metrics, request, running_server, stream  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")

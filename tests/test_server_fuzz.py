@@ -70,10 +70,11 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=12)
 PLAUSIBLE = {  # values near what each field takes, so cases get past the first check
     "prompt": st.text(max_size=40) | st.lists(st.integers(-2, 1100), max_size=8),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | st.text(
-        max_size=5), "content": st.text(max_size=20) | st.lists(st.fixed_dictionaries(
-            {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8) | st.integers()}), max_size=3)}),
-        max_size=3),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "system", "assistant"]) | st.text(max_size=5),
+        "content": st.text(max_size=20) | st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8) | st.integers()}), max_size=3),
+    }), max_size=3),
     "max_tokens": st.integers(-2, 300), "max_completion_tokens": st.integers(-2, 300),
     "temperature": st.floats(-1, 3) | st.sampled_from([1e-300, 1e-45, 5e-324]), "top_p": st.floats(-0.5, 1.5),
     "top_k": st.integers(-3, 2000), "seed": st.integers(-(2**64), 2**64), "stop": st.text(max_size=4) | st.lists(

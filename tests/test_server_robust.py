@@ -81,7 +81,8 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(S):
     assert head.startswith(b"HTTP/1.1 413"), answer
     assert json.loads(body)["error"]["code"] == "request_too_large"
     # a body that declares no length is cut where it passes the limit
-    chunked = b"".join(b"%x\r\n%s\r\n" % (len(huge[i:i + 65536]), huge[i:i + 65536]) for i in range(0, len(huge), 65536))
+    pieces = [huge[i : i + 65536] for i in range(0, len(huge), 65536)]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
     with socket.create_connection(("127.0.0.1", S), timeout=WAIT_S) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Transfer-Encoding: chunked\r\n\r\n")
@@ -342,8 +343,8 @@ def test_a_model_that_fails_to_load_exits_non_zero_with_the_reason(tmp_path):
         if not f.name.endswith(".safetensors"):
             shutil.copy(f, broken / f.name)
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
-    proc = subprocess.Popen([sys.executable, "-m", "fiddler.server", "--model", str(broken), "--port", str(free_port())],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "fiddler.server", "--model", str(broken), "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         rc = proc.wait(WAIT_S)
     except subprocess.TimeoutExpired:

@@ -25,11 +25,11 @@ class SamplingParams:
     """Per-request generation settings.
 
     max_tokens: tokens to generate (exactly that many unless a stop token comes first).
-    temperature: 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy (argmax); above, it samples after temperature, top-k and top-p (transformers' order,
-    fiddler.generate.choose_token), with a torch.Generator seeded by `seed` (None: drawn from the engine's
-    seed stream). stop_token_ids: generation ends after producing one of these (it is the request's last
-    token). ignore_eos: do not stop at the model's EOS ids (the engine's eos_token_ids); stop_token_ids
-    still apply."""
+    temperature: 0, or any below GREEDY_BELOW_TEMPERATURE, is greedy (argmax); above, it samples after
+    temperature, top-k and top-p (transformers' order, fiddler.generate.choose_token), with a torch.Generator
+    seeded by `seed` (an int64; None: drawn from the engine's seed stream). stop_token_ids: generation ends
+    after producing one of these (it is the request's last token). ignore_eos: do not stop at the model's EOS
+    ids (the engine's eos_token_ids); stop_token_ids still apply."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -48,7 +48,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 or None: off), got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

@@ -56,7 +56,8 @@ def parse_args(argv=None):
                    help="seconds a connection has to send a request's headers before it is closed")
     g.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body has to arrive after its headers before the connection is closed")
-    g.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open")
     g.add_argument("--max-connections", type=int, default=512,
                    help="open connections at most; one more is closed at once")
     g.add_argument("--max-header-bytes", type=int, default=32 << 10,

@@ -228,7 +228,8 @@ def _openapi(chat: bool, model: str) -> dict:
     answers = {"400": "invalid request", "403": "foreign Host or Origin", "404": "unknown model",
                "413": "body over --max-body-bytes", "415": "not application/json",
                "503": "loading, draining or a full queue (Retry-After)"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": P.request_schema(chat, model)}}},
+    body = {"application/json": {"schema": P.request_schema(chat, model)}}
+    return {"requestBody": {"required": True, "content": body},
             "responses": {"200": {"description": "the completion, or its server-sent events when stream is true",
                                   "content": {"application/json": {"schema": {"type": "object"}},
                                               "text/event-stream": {"schema": {"type": "string"}}}},

@@ -98,9 +98,9 @@ class Guard:
         except APIError as e:
             self.on_error(scope["path"], e)
             body = json.dumps(e.body()).encode()
-            await send({"type": "http.response.start", "status": e.status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    (b"connection", b"close")]})
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": e.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
         seen = 0

@@ -233,3 +233,52 @@ def test_slots_count_in_the_gpu_side_reservation():
         return kv
 
     assert reserved(12) == 3 * reserved(4)
+
+
+# ---------------------------------------------------------------- a request's own failure is its own (issue 55)
+
+def test_a_failing_sampler_fails_only_its_request(monkeypatch):
+    """Whatever goes wrong in one request's own sampling (its warped distribution, its generator) fails that
+    request alone: the greedy requests in the same steps get their alone tokens."""
+    import fiddler.batch.engine as batch_engine
+
+    def broken(*a, **kw):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    monkeypatch.setattr(batch_engine, "choose_token", broken)
+    model = "tiny_mixtral"
+    be = BatchEngine(engine(model, "fiddler-cpu"), slots=4)
+    greedy = [be.submit(prompts(model)[i], params(OUTPUT_LENS[i])) for i in (2, 4)]
+    sampled = be.submit(prompts(model)[3], params(20, temperature=0.7, seed=1))
+    be.run()
+    assert [r.tokens for r in greedy] == [alone(model)[2], alone(model)[4]]
+    assert sampled.finish_reason == "error" and "probability tensor" in sampled.error
+    assert be.scheduler.idle and sorted(be.scheduler._free) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45])
+def test_a_vanishing_temperature_is_greedy_and_its_neighbours_unharmed(temperature):
+    """A temperature too small to divide by (1/T overflows fp32) samples as greedy does (as vLLM treats any
+    temperature below 1e-5), beside a greedy request."""
+    model = "tiny_mixtral"
+    be = BatchEngine(engine(model, "fiddler-cpu"), slots=4)
+    beside = be.submit(prompts(model)[4], params(OUTPUT_LENS[4]))
+    tiny = be.submit(prompts(model)[2], params(OUTPUT_LENS[2], temperature=temperature, seed=3))
+    be.run()
+    assert beside.tokens == alone(model)[4] and tiny.tokens == alone(model)[2]
+
+
+def test_stopping_without_drain_aborts_the_requests_in_flight():
+    """stop(drain=False) cuts the requests in flight with their own finish reason ('aborted'), not the one a
+    client's own cancel gets, so a server can tell a cut answer from a complete or cancelled one."""
+    model = "tiny_mixtral"
+    be = BatchEngine(engine(model, "fiddler-cpu"), slots=2, max_queue=4)
+    reqs = [be.submit(prompts(model)[i], params(64)) for i in (1, 3, 5)]  # two run, one waits
+    mine = be.submit(prompts(model)[2], params(64))
+    mine.cancel()
+    be.start()
+    while len(reqs[0].tokens) < 3:
+        be._wait_for(reqs[0], len(reqs[0].tokens))
+    be.stop(drain=False, timeout=60)
+    assert [r.finish_reason for r in reqs] == ["aborted"] * 3 and mine.finish_reason == "cancelled"
+    assert be.totals["finished"]["aborted"] == 3

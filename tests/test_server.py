@@ -5,16 +5,10 @@ here is stopped, bounded in time."""
 
 from __future__ import annotations
 
-import http.client
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -23,103 +17,14 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from runners.models import synthetic_model  # noqa: E402
-
-START_TIMEOUT_S = 180
-STOP_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_server(*extra: str):
-    port = free_port()
-    cmd = [sys.executable, "-m", "fiddler.server", "--model", str(synthetic_model("tiny_mixtral")), "--port", str(port),
-           *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        end = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
-            try:
-                if request(port, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > end:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.2)
-        yield proc, port
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def request(port: int, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 120):
-    """(status, headers, parsed JSON body or text)."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        c.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-        r = c.getresponse()
-        text = r.read().decode()
-        try:
-            payload = json.loads(text)
-        except json.JSONDecodeError:
-            payload = text
-        return r.status, dict(r.getheaders()), payload
-    finally:
-        c.close()
-
-
-def stream(port: int, path: str, body: dict, timeout: float = 120):
-    """The SSE events' data fields, parsed ('[DONE]' as is), as they arrive; the connection is yielded first."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    c.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
-              headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    assert r.status == 200, r.read()
-    yield c
-    for line in r:
-        line = line.decode().strip()
-        if line.startswith("data: "):
-            d = line[6:]
-            yield d if d == "[DONE]" else json.loads(d)
-
-
-def metrics(port: int) -> dict[str, float]:
-    status, _, text = request(port, "GET", "/metrics")
-    assert status == 200
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
+# free_port and request are imported from here by test_serve_mode
+from tests.server_helpers import assert_error, free_port, metrics, request, running_server, stream  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
 def server():
     with running_server("--slots", "8", "--max-queue", "64", "--dtype", "float32", "--max-seq-len", "256") as (_, port):
         yield port
-
-
-def assert_error(resp, status: int, code: str | None = None):
-    st, headers, body = resp
-    assert st == status, resp
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):

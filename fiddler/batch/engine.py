@@ -93,6 +93,9 @@ class BatchEngine:
         self._step_lock = threading.Lock()  # one step at a time, whoever drives it
         self.steps: deque[StepStats] = deque(maxlen=keep_steps)
         self.n_steps = 0
+        # called with each step's StepStats on the stepping thread, under the engine's lock (keep them quick):
+        # a server's counters see every step, not only the `keep_steps` the deque holds
+        self.step_observers: list = []
         # since construction, whatever `steps` still keeps (a server's counters)
         self.totals = {"steps": 0, "tokens": 0, "decode_tokens": 0, "prefill_tokens": 0, "seconds": 0.0,
                        "experts": {k: 0 for k in "abc"}, "finished": {}}
@@ -140,7 +143,7 @@ class BatchEngine:
         with self._step_lock:
             with self._lock:
                 for r in self.scheduler.cancelled():
-                    self._finish(r, "cancelled")
+                    self._finish(r, r._cancel_reason)
                 work = self.scheduler.plan()
             if not work:
                 return None
@@ -185,6 +188,8 @@ class BatchEngine:
                 t[f] += getattr(st, f)
             for k, v in st.experts.items():
                 t["experts"][k] = t["experts"].get(k, 0) + v
+            for observe in self.step_observers:
+                observe(st)
             self._cv.notify_all()
         return st
 
@@ -195,12 +200,13 @@ class BatchEngine:
             return torch.tensor([r.tokens[-1]], dtype=torch.long)
         return r.prompt[w.start : w.start + w.length]
 
-    def _choose(self, emitting: list[Work], logits: torch.Tensor | None) -> list[int | None]:
-        """Each emitting request's next token (None where its logits are not finite: it fails alone)."""
+    def _choose(self, emitting: list[Work], logits: torch.Tensor | None) -> list[int | str]:
+        """Each emitting request's next token, or the reason it fails: a request's own logits or sampling
+        can fail only that request (its neighbours in the step get their tokens)."""
         if not emitting:
             return []
         ok = torch.isfinite(logits).all(dim=-1).tolist()
-        out: list[int | None] = [None] * len(emitting)
+        out: list[int | str] = ["non-finite logits"] * len(emitting)
         greedy = [j for j, w in enumerate(emitting) if ok[j] and w.request.params.greedy]
         if greedy:
             for j, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
@@ -208,15 +214,19 @@ class BatchEngine:
         for j, w in enumerate(emitting):
             p = w.request.params
             if ok[j] and not p.greedy:
-                out[j] = int(choose_token(logits[j : j + 1], True, p.temperature, p.top_k, p.top_p,
-                                          w.request.generator))
+                try:
+                    out[j] = int(choose_token(logits[j : j + 1], True, p.temperature, p.top_k, p.top_p,
+                                              w.request.generator))
+                except Exception as e:  # noqa: BLE001 - its own sampling: it fails alone
+                    out[j] = f"sampling failed: {type(e).__name__}: {e}"
         return out
 
-    def _append(self, r: Request, tok: int | None, now: float) -> int:
-        """Record a request's new token; finish it when it stops. Returns 1 if it finished."""
-        if tok is None:
+    def _append(self, r: Request, tok: int | str, now: float) -> int:
+        """Record a request's new token (or its failure, a str); finish it when it stops. Returns 1 if it
+        finished."""
+        if isinstance(tok, str):
             self.scheduler.release(r)
-            self._finish(r, "error", f"non-finite logits at its token {len(r.tokens)}")
+            self._finish(r, "error", f"{tok} at its token {len(r.tokens)}")
             return 1
         r.tokens.append(tok)
         r.token_times.append(now)
@@ -262,7 +272,7 @@ class BatchEngine:
         with self._lock:
             if not drain:
                 for r in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    r._cancel.set()
+                    r._abort()
             self._stopping = True
             self._cv.notify_all()
             t = self._thread
@@ -294,7 +304,7 @@ class BatchEngine:
             try:
                 with self._lock:
                     for r in self.scheduler.cancelled():
-                        self._finish(r, "cancelled")
+                        self._finish(r, r._cancel_reason)
             finally:
                 self._step_lock.release()
 

@@ -10,7 +10,10 @@ from typing import Callable, Iterator
 
 import torch
 
-FINISH_REASONS = ("length", "stop", "cancelled", "error")
+FINISH_REASONS = ("length", "stop", "cancelled", "aborted", "error")  # aborted: cut by stop(drain=False)
+# Temperatures below this sample as greedy (vLLM's rule): dividing the logits by 1e-300 makes them inf/NaN
+GREEDY_BELOW_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**63 - 1)  # an int64, as OpenAI's API documents it
 
 
 class QueueFull(RuntimeError):
@@ -22,11 +25,11 @@ class SamplingParams:
     """Per-request generation settings.
 
     max_tokens: tokens to generate (exactly that many unless a stop token comes first).
-    temperature: 0 is greedy (argmax); > 0 samples after temperature, top-k and top-p (transformers' order,
-    fiddler.generate.choose_token), with a torch.Generator seeded by `seed` (None: drawn from the engine's
-    seed stream). stop_token_ids: generation ends after producing one of these (it is the request's last
-    token). ignore_eos: do not stop at the model's EOS ids (the engine's eos_token_ids); stop_token_ids
-    still apply."""
+    temperature: 0, or any below GREEDY_BELOW_TEMPERATURE, is greedy (argmax); above, it samples after
+    temperature, top-k and top-p (transformers' order, fiddler.generate.choose_token), with a torch.Generator
+    seeded by `seed` (an int64; None: drawn from the engine's seed stream). stop_token_ids: generation ends
+    after producing one of these (it is the request's last token). ignore_eos: do not stop at the model's EOS
+    ids (the engine's eos_token_ids); stop_token_ids still apply."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -45,11 +48,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 or None: off), got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass
@@ -77,6 +82,7 @@ class Request:
     generator: torch.Generator | None = None
     _engine: object = field(default=None, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel_reason: str = field(default="cancelled", repr=False)  # the finish reason a cancel gives it
 
     @property
     def prompt_len(self) -> int:
@@ -99,6 +105,11 @@ class Request:
         """End this request at the next step boundary (its slot is freed; other requests are unaffected)."""
         self._cancel.set()
         self._engine._wake()
+
+    def _abort(self) -> None:
+        """Cut it as cancel() does, finishing 'aborted': the engine is stopping, not the client."""
+        self._cancel_reason = "aborted"
+        self._cancel.set()
 
     def __iter__(self) -> Iterator[int]:
         i = 0

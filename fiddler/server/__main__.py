@@ -1,13 +1,19 @@
 """python -m fiddler.server --model DIR [--gpu-budget-gb N] [--slots N] [--max-queue N] [--port P]
 
-Serves the checkpoint in DIR over the OpenAI API on 127.0.0.1 (--host to change). SIGTERM (or Ctrl-C) stops
-taking requests (503), finishes those in flight for up to --drain-timeout seconds, and exits 0; a second
-Ctrl-C exits at once.
+Serves the checkpoint in DIR over the OpenAI API on 127.0.0.1 (--host to change; another address is warned
+about: the server has no API key). SIGTERM (or Ctrl-C) stops taking requests (503), finishes those in flight
+for up to --drain-timeout seconds (those still running then end with finish_reason "abort"), and exits 0; a
+second Ctrl-C exits at once. A model that fails to load exits 1 with the reason.
+
+Requests must name this server in Host (an IP address, localhost, or --allowed-hosts), carry no foreign Origin
+(--allowed-origins), POST application/json bodies of at most --max-body-bytes; connections must send their
+headers within --header-timeout and their body within --body-timeout, and at most --max-connections are open.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
 import sys
@@ -39,6 +45,23 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    g = ap.add_argument_group("what a client may send")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names served besides IP addresses and localhost ('*': any); others "
+                        "get 403 (a DNS-rebinding page's requests carry its own name)")
+    g.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed besides the server's own ('*': any); others get 403")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers before it is closed")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body has to arrive after its headers before the connection is closed")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--max-connections", type=int, default=512,
+                   help="open connections at most; one more is closed at once")
+    g.add_argument("--max-header-bytes", type=int, default=32 << 10,
+                   help="a request's headers at most this large (else 400)")
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (a checkpoint directory is needed)")
@@ -47,7 +70,35 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}")
     if not 0 < args.port < 65536:
         ap.error("--port must be in 1..65535")
+    for name in ("max_body_bytes", "max_connections", "max_header_bytes"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
     return args
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_warning(host: str) -> str | None:
+    """What to tell whoever binds beyond this machine (there is no API key yet: anyone who reaches the port can
+    use the model)."""
+    if is_loopback(host):
+        return None
+    return (f"fiddler.server: warning: --host {host} is not a loopback address: anyone who can reach this port can "
+            "use the server (it has no API key); bind 127.0.0.1 unless that is meant")
+
+
+def _names(csv: str) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in csv.split(",") if n.strip())
 
 
 def loader(args):
@@ -77,8 +128,15 @@ def main(argv=None) -> int:
         print("the server needs its extra: pip install -e '.[server]' (fastapi, uvicorn)", file=sys.stderr)
         return 2
     from .app import ServerState, create_app, drain
+    from .guard import Limits
+    from .transport import ConnectionLimits, uvicorn_kwargs
 
-    state = ServerState(loader(args), args.served_model_name or args.model.resolve().name)
+    warning = bind_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    limits = Limits(max_body_bytes=args.max_body_bytes, allowed_hosts=_names(args.allowed_hosts),
+                    allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
+    state = ServerState(loader(args), args.served_model_name or args.model.resolve().name, limits=limits)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn, but a first SIGTERM/SIGINT drains (503 for new requests) before it stops listening, and the
@@ -114,20 +172,28 @@ def main(argv=None) -> int:
             def finish():
                 ok = drain(state, args.drain_timeout)
                 if not ok:
-                    print("fiddler.server: drain timeout; cancelling the requests still in flight", file=sys.stderr,
-                          flush=True)
+                    print("fiddler.server: drain timeout; aborting the requests still in flight (finish_reason "
+                          "'abort')", file=sys.stderr, flush=True)
                 if state.batch_engine is not None:
                     state.batch_engine.stop(drain=ok, timeout=10)
                 self.should_exit = True
             threading.Thread(target=finish, name="fiddler-drain", daemon=True).start()
 
+    conn = ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                            max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
+                            keep_alive_s=args.keep_alive_timeout)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **uvicorn_kwargs(conn))
     server = DrainingServer(config)
+
+    def load_failed(reason: str) -> None:  # nothing to serve: say why and exit non-zero (not 503s forever)
+        print(f"fiddler.server: the model failed to load: {reason}", file=sys.stderr, flush=True)
+        server.should_exit = True
+    state.on_load_error = load_failed
     print(f"fiddler.server: serving {state.model_name} on http://{args.host}:{args.port}/v1 "
           "(loading; /health says when ready)", flush=True)
     server.run()
-    return 0
+    return 1 if state.load_error else 0
 
 
 if __name__ == "__main__":

@@ -2,25 +2,40 @@
 server and `transformers serve` use, so clients meet the same SSE framing and disconnect behaviour).
 
 The batch engine steps on its own loop thread; each HTTP request submits to it and receives tokens through
-callbacks bridged into its asyncio task. A client that disconnects cancels its request (its slot is freed
-at the next step). While loading or draining, /health and the generation routes answer 503.
+callbacks bridged into its asyncio task. Parsing and tokenizing run on a worker thread, never on the event
+loop. A client that disconnects, streamed or not, cancels its request (its slot is freed at the next step).
+While loading or draining, /health and the generation routes answer 503. Every error is OpenAI-shaped and
+counted in /metrics (fiddler.server.guard refuses foreign hosts and origins, other media types and bodies
+over the limit before any route runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..batch import QueueFull
 from . import protocol as P
+from .guard import Guard, Limits
 from .metrics import Metrics
+
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def route_of(path: str) -> str:
+    """The route label of /metrics' request counters ('other' for every path but the generation ones)."""
+    return ROUTES.get(path, "other")
 
 
 class Detokenizer:
@@ -57,10 +72,13 @@ class Detokenizer:
 
 @dataclass
 class ServerState:
-    """What the routes share. `loader` builds (batch engine, tokenizer) on a thread at startup."""
+    """What the routes share. `loader` builds (batch engine, tokenizer) on a thread at startup; a failure
+    is kept for /health and passed to on_load_error (a standalone server then exits with it)."""
 
     loader: Callable[[], tuple]
     model_name: str
+    limits: Limits = field(default_factory=Limits)
+    on_load_error: Callable[[str], None] | None = None
     context: int | None = None
     batch_engine: object = None
     tokenizer: object = None
@@ -68,16 +86,22 @@ class ServerState:
     draining: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     ready: threading.Event = field(default_factory=threading.Event)
+    # parsing and tokenizing, off the event loop on one thread: a fast tokenizer is not safe to call from
+    # several threads at once, and one thread bounds the CPU a burst of requests can take from the engine
+    preparer: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "fiddler-prepare"))
 
     def load(self) -> None:
         try:
             be, tok = self.loader()
+            self.metrics.watch(be)
             be.start()
             self.batch_engine, self.tokenizer = be, tok
             self.context = min(be.model.max_seq_len, be.engine.config.max_position_embeddings)
             self.ready.set()
         except Exception as e:  # /health says why
             self.load_error = f"{type(e).__name__}: {e}"
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
 
     def check_serving(self) -> None:
         if self.draining:
@@ -86,9 +110,19 @@ class ServerState:
             raise P.unavailable(f"the model failed to load: {self.load_error}" if self.load_error else
                                 "the model is loading")
 
+    def job(self, raw: bytes, chat: bool) -> P.Job:
+        """A request body to a Job: parsing and tokenizing, the work kept off the event loop."""
+        return P.make_job(P.parse_body(raw), self.tokenizer, chat=chat, context=self.context,
+                          served_model=self.model_name)
+
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="fiddler", docs_url=None, redoc_url=None)
+
+    def count(path: str, e: P.APIError) -> None:
+        state.metrics.request_done(route_of(path), f"error_{e.status}")
+
+    app.add_middleware(Guard, limits=state.limits, on_error=count)
 
     @app.on_event("startup")
     async def _load():
@@ -97,19 +131,33 @@ def create_app(state: ServerState) -> FastAPI:
     def error_response(e: P.APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    def fail(path: str, e: P.APIError):
+        count(path, e)
+        return error_response(e)
+
+    def internal(path: str, e: BaseException):
+        """An exception nobody foresaw: its traceback on stderr, an OpenAI-shaped 500 to the client."""
+        traceback.print_exception(e, file=sys.stderr)
+        return fail(path, P.APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error",
+                                     "internal_error"))
+
     @app.exception_handler(P.APIError)
     async def _api_error(request, e: P.APIError):
-        return error_response(e)
+        return fail(request.url.path, e)
 
     @app.exception_handler(404)
     async def _not_found(request, e):
-        return error_response(P.APIError(404, f"no route {request.method} {request.url.path}", "invalid_request_error",
-                                         "not_found"))
+        return fail(request.url.path, P.APIError(404, f"no route {request.method} {request.url.path}",
+                                                 "invalid_request_error", "not_found"))
 
     @app.exception_handler(405)
     async def _not_allowed(request, e):
-        return error_response(P.APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                         "invalid_request_error", "method_not_allowed"))
+        return fail(request.url.path, P.APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                                 "invalid_request_error", "method_not_allowed"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        return internal(request.url.path, e)
 
     @app.get("/health")
     async def health():
@@ -130,72 +178,108 @@ def create_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(state.metrics.render(state.batch_engine), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
-        route = "chat" if chat else "completions"
+        route, path = ("chat" if chat else "completions"), request.url.path
         try:
             state.check_serving()
-            body = P.parse_body(await request.body())
-            job = P.make_job(body, state.tokenizer, chat=chat, context=state.context, served_model=state.model_name)
+            raw = await request.body()
+            job = await asyncio.get_running_loop().run_in_executor(state.preparer, state.job, raw, chat)
         except P.APIError as e:
-            state.metrics.request_done(route, f"error_{e.status}")
-            return error_response(e)
+            return fail(path, e)
+        except ClientDisconnect:
+            state.metrics.request_done(route, "disconnected")
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - answered and counted, never a plain-text 500
+            return internal(path, e)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
         try:
             req = state.batch_engine.submit(job.prompt_ids, job.params, on_token=put, on_finish=lambda r: put(None))
         except QueueFull as e:
-            state.metrics.request_done(route, "error_503")
-            return error_response(P.unavailable(str(e)))
+            return fail(path, P.unavailable(str(e)))
         except ValueError as e:
-            state.metrics.request_done(route, "error_400")
-            return error_response(P.bad(str(e)))
+            return fail(path, P.bad(str(e)))
         run = _Run(state, job, req, queue, route)
         if job.stream:
             return StreamingResponse(run.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await run.whole(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_openapi(False, state.model_name))
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_openapi(True, state.model_name))
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
     return app
 
 
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _openapi(chat: bool, model: str) -> dict:
+    """A generation route's request body and answers in /openapi.json (the routes read raw bodies, so FastAPI
+    cannot infer them): 503 (loading, draining, a full queue) is the only 5xx a request may meet by design."""
+    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    answers = {"400": "invalid request", "403": "foreign Host or Origin", "404": "unknown model",
+               "413": "body over --max-body-bytes", "415": "not application/json",
+               "503": "loading, draining or a full queue (Retry-After)"}
+    body = {"application/json": {"schema": P.request_schema(chat, model)}}
+    return {"requestBody": {"required": True, "content": body},
+            "responses": {"200": {"description": "the completion, or its server-sent events when stream is true",
+                                  "content": {"application/json": {"schema": {"type": "object"}},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **{code: {"description": what, **error} for code, what in answers.items()}}}
+
+
 class _Run:
     """One HTTP request's generation: tokens from the engine's callbacks, text through the detokenizer, stop
-    strings applied, the request cancelled if the client goes away."""
+    strings applied (text that may still begin one is held back until it cannot), the request cancelled if
+    the client goes away."""
 
     def __init__(self, state: ServerState, job: P.Job, req, queue: asyncio.Queue, route: str):
         self.state, self.job, self.req, self.queue, self.route = state, job, req, queue, route
         self.detok = Detokenizer(state.tokenizer)
-        self.text, self.tokens, self.stopped = "", 0, False
+        self.text, self.sent, self.tokens = "", 0, 0  # text decoded; how much of it the client has
+        self.stopped = self.gone = False
+        self.longest_stop = max(map(len, job.stop_strings), default=0)
 
     def _take(self, token: int | None) -> str:
-        """The text this token adds (None: the rest, at the end), cut at a stop string (which then ends the
-        request)."""
+        """The text this token lets the client have (None: the rest, at the end), cut at a stop string (which
+        then ends the request)."""
+        if self.stopped:
+            return ""
         if token is None:
-            delta = self.detok.flush()
+            self.text += self.detok.flush()
         else:
             self.tokens += 1
-            delta = self.detok.add(token)
-        if not self.job.stop_strings or self.stopped:
-            self.text += delta
-            return delta
-        before = len(self.text)
-        full = self.text + delta
-        cut = min((i for i in (full.find(s, max(0, before - len(s))) for s in self.job.stop_strings) if i >= 0),
-                  default=-1)
-        if cut >= 0:
-            self.stopped = True
-            self.req.cancel()
-            full = full[:cut]
-        self.text = full
-        return full[before:]
+            self.text += self.detok.add(token)
+        end = len(self.text)
+        if self.job.stop_strings:  # no match can begin before `sent`: that text could begin none
+            hits = [i for i in (self.text.find(s, self.sent) for s in self.job.stop_strings) if i >= 0]
+            if hits:
+                self.stopped, end = True, min(hits)
+                self.req.cancel()
+            elif token is not None:
+                end -= self._held()
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def _held(self) -> int:
+        """How many of the unsent text's last characters could begin a stop string."""
+        tail = self.text[self.sent :]
+        for k in range(min(len(tail), self.longest_stop - 1), 0, -1):
+            if any(s.startswith(tail[-k:]) for s in self.job.stop_strings):
+                return k
+        return 0
+
+    def _outcome(self) -> str:
+        reason = self.req.finish_reason
+        return "error_500" if reason == "error" else "aborted" if reason == "aborted" and not self.stopped else "ok"
 
     def _finish(self, outcome: str):
         r = self.req
@@ -220,8 +304,8 @@ class _Run:
                     continue
                 sent = len(self.detok.ids)
                 delta = self._take(item)
-                if delta or (item is not None and self.job.return_token_ids):
-                    ids = self.detok.ids[sent:] if self.job.return_token_ids else None  # this token's
+                ids = self.detok.ids[sent:] if self.job.return_token_ids and item is not None else None  # this token's
+                if delta or ids:
                     yield _sse(P.chunk(self.job, model, delta, None, token_ids=ids))
                 if item is None:
                     break
@@ -233,31 +317,37 @@ class _Run:
                     yield _sse(P.usage_chunk(self.job, model, self.tokens))
             yield "data: [DONE]\n\n"
             done = True
-            self._finish("error_500" if self.req.finish_reason == "error" else "ok")
+            self._finish(self._outcome())
         finally:
             if not done:  # the client went away mid-stream: free its slot
                 self.req.cancel()
                 self._finish("disconnected")
 
-    async def whole(self, request):
-        while True:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.req.cancel()
-                    self._finish("disconnected")
-                    return JSONResponse({}, status_code=499)
-                continue
-            if not self.stopped:
+    async def _watch(self, request: Request) -> None:
+        """Until the client disconnects; then cancel its request (the engine takes it out at its next step)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.req.cancel()
+
+    async def whole(self, request: Request):
+        watch = asyncio.create_task(self._watch(request))
+        try:
+            while True:
+                item = await self.queue.get()
                 self._take(item)
-            if item is None:
-                break
+                if item is None:
+                    break
+        finally:
+            watch.cancel()
+        if self.gone:
+            self._finish("disconnected")
+            return Response(status_code=499)
         if self.req.finish_reason == "error":
             self._finish("error_500")
             return JSONResponse(P.APIError(500, self.req.error or "engine error", "server_error",
                                            "engine_error").body(), status_code=500)
-        self._finish("ok")
+        self._finish(self._outcome())
         text = self.detok.full()
         if self.stopped:  # the whole decode, cut at the first stop string as the stream was
             text = text[: min((i for i in (text.find(s) for s in self.job.stop_strings) if i >= 0), default=len(text))]

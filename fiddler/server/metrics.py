@@ -31,8 +31,9 @@ class Histogram:
 
 
 class Metrics:
-    """What the server counts itself (requests by outcome, tokens sent, TTFT); the batch engine's own
-    counters (running, waiting, tokens per step, decisions by kind) are read when rendering."""
+    """What the server counts as it happens (requests by outcome, tokens sent, TTFT, each engine step's
+    tokens through `watch`); the batch engine's gauges and totals (running, waiting, tokens by phase,
+    decisions by kind) are read when rendering."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -41,7 +42,14 @@ class Metrics:
         self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
-        self._seen_steps = 0
+
+    def watch(self, batch_engine) -> None:
+        """Count each of the engine's steps as it ends."""
+        batch_engine.step_observers.append(self.step_done)
+
+    def step_done(self, step) -> None:
+        with self._lock:
+            self.step_tokens.observe(step.tokens)
 
     def request_done(self, route: str, outcome: str, prompt_tokens: int = 0, generation_tokens: int = 0,
                      ttft_s: float | None = None) -> None:
@@ -67,11 +75,6 @@ class Metrics:
                       "# TYPE fiddler_time_to_first_token_seconds histogram",
                       *self.ttft.lines("fiddler_time_to_first_token_seconds")]
             if batch_engine is not None:
-                steps = list(batch_engine.steps)
-                new = batch_engine.n_steps - self._seen_steps
-                for s in steps[len(steps) - min(new, len(steps)):]:
-                    self.step_tokens.observe(s.tokens)
-                self._seen_steps = batch_engine.n_steps
                 t = batch_engine.totals
                 lines += ["# HELP fiddler_requests_running Requests holding a slot.", "# TYPE fiddler_requests_running gauge",
                           f"fiddler_requests_running {len(batch_engine.scheduler.running)}",

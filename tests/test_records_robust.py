@@ -130,7 +130,6 @@ ODD_FIELDS = [("host", "x"), ("environment_info", "x"), ("decode_bound", [1, 2])
               ("raw", [1])]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 10: the table tools crash on one odd line")
 @pytest.mark.parametrize("path, value", ODD_FIELDS, ids=[f"{p}={json.dumps(v)}" for p, v in ODD_FIELDS])
 def test_table_tools_skip_a_line_with_an_odd_field_naming_file_line_and_field(tmp_path, capsys, path, value):
     """Bug 10 (issue 55): `"host":"x"`, `"environment_info":"x"`, `"decode_bound":[1,2]`, config.environment a

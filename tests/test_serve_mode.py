@@ -120,7 +120,6 @@ def _kill_all(procs) -> None:
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 8: the server outlives a SIGKILLed run.py, still answering")
 def test_the_server_dies_with_run_py_even_on_sigkill(tmp_path):
     """SIGKILL of `run.py mode=serve` left the server running under PID 1, still answering, serve.json saying
     `serving`. The child now gets a parent-death signal."""
@@ -150,7 +149,6 @@ def test_the_server_dies_with_run_py_even_on_sigkill(tmp_path):
         _kill_all(children)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 8: run.py says ready for another server on a taken port")
 def test_a_taken_port_is_refused_at_once_never_ready_for_another_server(tmp_path):
     """With serve.port taken, run.py printed `ready:` for the server already there, then its own failed to bind
     and it exited 1. It now refuses before starting one, naming the port, exit 2."""
@@ -186,7 +184,6 @@ def test_a_taken_port_is_refused_at_once_never_ready_for_another_server(tmp_path
     assert facts["status"] == "error" and "already in use" in facts["reason"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55 bug 8: a load failure waits out ready_timeout_s, exits 0 `stopped`")
 def test_a_model_that_fails_to_load_is_reported_at_once_with_its_reason(tmp_path):
     """The server's /health said why the model failed to load at once, but run.py waited out
     serve.ready_timeout_s (900 s by default), hid the reason and exited 0 with serve.json `stopped`."""

@@ -93,9 +93,15 @@ def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: 
         "--data", f"kind=synthetic_text,prompt_tokens={point['input_len']},output_tokens={point['output_len']}",
         "--output", f"kind=json,path={out}", "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if res.returncode != 0 or not out.exists():
-        raise RuntimeError(f"guidellm exited with {res.returncode}: {(res.stderr or res.stdout)[-1500:]}")
+    # its own process group, dying with this process (runners/server_process.py): a timeout, SIGTERM or Ctrl-C
+    # of the run stops guidellm with its fork, spawn workers and resource tracker
+    proc = server_process.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        server_process.stop(proc, grace_s=10)  # what is left of its group, however this ends
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"guidellm exited with {proc.returncode}: {(stderr or stdout)[-1500:]}")
     return json.loads(out.read_text())
 
 

@@ -108,7 +108,6 @@ def test_unknown_keys_added_with_plus_are_refused(override, expected):
     assert str(err.value).startswith(expected)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55: a typo without + gets Hydra's advice to add + to the typo")
 @pytest.mark.parametrize("args, expected", [
     (("workload.repetitons=3",), "workload.repetitons is not a known key; did you mean workload.repetitions?"),
     (("environment.cpu.thread=4",), "environment.cpu.thread is not a known key; did you mean environment.cpu.threads?"),

@@ -147,3 +147,19 @@ def test_table_tools_skip_a_line_with_an_odd_field_naming_file_line_and_field(tm
         skipped = [line for line in out.err.splitlines() if "index.jsonl:1: damaged record line skipped" in line]
         assert skipped and field in skipped[0], (tool, out.err)
         assert "index.jsonl:2" not in out.err, (tool, out.err)  # the good line is used
+
+
+@pytest.mark.xfail(strict=True, reason="issue 55: an ok record with 0 tokens reads valid: True")
+@pytest.mark.parametrize("bad", [{**GOOD, "metrics": {**GOOD["metrics"], "tokens": 0}},
+                                 {**GOOD, "raw": {"ttft_s": [0.5, 0.5], "decode_s": [1.0, 1.0], "tokens": [4, 0]}}],
+                         ids=["metrics.tokens", "raw.tokens"])
+def test_an_ok_record_with_0_tokens_is_reported_never_valid(tmp_path, capsys, bad):
+    """An `ok` line with 0 tokens was shown as a row reading `valid: True`: no measurement made of nothing is."""
+    path = tmp_path / "index.jsonl"
+    path.write_text(json.dumps(bad) + "\n" + json.dumps({**GOOD, "system": "t"}) + "\n")
+    with pytest.warns(UserWarning, match=r"index.jsonl:1: damaged record line skipped"):
+        assert tables_script.main([str(path)]) == 0
+    out = capsys.readouterr()
+    assert "tokens" in out.err.splitlines()[0]
+    with pytest.warns(UserWarning):
+        assert list(tables.build(records.read_records(path))["system"]) == ["t"]

@@ -241,6 +241,11 @@ def record_problem(rec: dict[str, Any]) -> str | None:
         missing = [k for k in _OK_METRICS if not _is_number(metrics.get(k))]
         if missing:
             return f"an ok record without metrics ({', '.join(missing)})"
+        # a measurement makes at least one token: with none, its metrics (and `valid`) describe nothing
+        raw_tokens = (rec.get("raw") or {}).get("tokens")
+        counts = [metrics.get("tokens"), *(raw_tokens if isinstance(raw_tokens, list) else [])]
+        if any(_is_number(n) and n < 1 for n in counts):
+            return f"an ok record with 0 tokens (metrics.tokens={metrics.get('tokens')!r}, raw.tokens={raw_tokens!r})"
     problem = next(filter(None, (_metric_problem(k, v) for k, v in metrics.items())), None)
     if problem is None and rec["status"] == "ok":  # a line written before the writer refused them
         found = first_non_finite(rec)

@@ -149,7 +149,6 @@ def test_table_tools_skip_a_line_with_an_odd_field_naming_file_line_and_field(tm
         assert "index.jsonl:2" not in out.err, (tool, out.err)  # the good line is used
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55: an ok record with 0 tokens reads valid: True")
 @pytest.mark.parametrize("bad", [{**GOOD, "metrics": {**GOOD["metrics"], "tokens": 0}},
                                  {**GOOD, "raw": {"ttft_s": [0.5, 0.5], "decode_s": [1.0, 1.0], "tokens": [4, 0]}}],
                          ids=["metrics.tokens", "raw.tokens"])

@@ -96,5 +96,6 @@ def serve(cfg, run_dir: Path) -> int:
         write("stopped", exit_code=0, server_exit_code=rc)
     else:
         write("error", exit_code=1, server_exit_code=rc, reason=failure or f"the server exited with {rc}")
-    print(f"server exited with {rc}", file=sys.stdout if clean else sys.stderr)
+    print(f"server exited with {rc}" + (" (stopped after the error above)" if failure else ""),
+          file=sys.stdout if clean else sys.stderr)
     return 0 if clean else 1

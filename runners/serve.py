@@ -25,7 +25,7 @@ from baselines.base import ModelSpec, RunContext, SystemUnavailable
 
 from .main import prepare, resolve_model_path
 from .schema import ConfigError
-from .server_process import PortInUse, ServerFailed, ServerProcess
+from .server_process import PortUnavailable, ServerFailed, ServerProcess
 from .session import load_adapter_class
 
 
@@ -60,8 +60,8 @@ def serve(cfg, run_dir: Path) -> int:
     facts.update(model_path=model_path, command=cmd, notes=adapter.server_notes())
     try:
         server = ServerProcess(cmd, {**os.environ, **cls.process_env}, s.host, s.port, adapter.server_health_path)
-    except PortInUse as e:  # nothing started: like a bad key, exit 2 (run.py), naming the way out
-        reason = f"serve.port={s.port}: {e}; choose a free serve.port"
+    except PortUnavailable as e:  # nothing started: like a bad key, exit 2 (run.py), naming the way out
+        reason = f"serve.host={s.host} serve.port={s.port}: {e}"
         write("error", reason=reason)
         raise ConfigError(reason) from None
     facts["pid"] = server.proc.pid

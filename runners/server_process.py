@@ -38,8 +38,8 @@ class ServerFailed(RuntimeError):
     """The server did not become ready (or is not ours); the message says why."""
 
 
-class PortInUse(ServerFailed):
-    pass
+class PortUnavailable(ServerFailed):
+    """Nothing was started: the port is taken, or the host cannot be listened on."""
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -98,18 +98,18 @@ def stop(proc: subprocess.Popen, grace_s: float, sig: int = signal.SIGTERM) -> i
     return rc
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Whether something listens on host:port (a bind fails). SO_REUSEADDR as servers set it: a port held
-    only by connections closing (TIME_WAIT) is free."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+def port_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (a trial bind fails), or None. SO_REUSEADDR as servers set
+    it: a port held only by connections closing (TIME_WAIT) is free."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return f"{host}:{port} is already in use (another process listens there)"
+        return f"cannot listen on {host}:{port} ({e.strerror or e})"
+    return None
 
 
 def probe(host: str, port: int, path: str, timeout: float = 5.0, limit: int | None = 64 * 1024) -> tuple[int | None, str]:
@@ -145,8 +145,9 @@ class ServerProcess:
     def __init__(self, cmd: list[str], env: dict[str, str], host: str, port: int, health_path: str,
                  log: Path | None = None):
         self.cmd, self.host, self.port, self.health_path, self.log = cmd, host, port, health_path, log
-        if port_in_use(host, port):
-            raise PortInUse(f"{host}:{port} is already in use (another process listens there)")
+        problem = port_problem(host, port)
+        if problem:
+            raise PortUnavailable(problem)
         self._lines: collections.deque[str] = collections.deque(maxlen=40)
         self._pump_thread: threading.Thread | None = None
         if log is not None:
@@ -159,9 +160,10 @@ class ServerProcess:
 
     def _pump(self, pipe: IO[bytes]) -> None:
         for raw in pipe:
-            sys.stderr.buffer.write(raw)
+            line = raw.decode(errors="replace")
+            sys.stderr.write(line)
             sys.stderr.flush()
-            self._lines.append(raw.decode(errors="replace"))
+            self._lines.append(line)
 
     def tail(self, n: int = 2000) -> str:
         if self.log is not None:

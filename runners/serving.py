@@ -136,7 +136,7 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
     try:
         server = server_process.ServerProcess(cmd, {**os.environ, **cls.process_env}, serve.host, serve.port,
                                               adapter.server_health_path, log=run_dir / "server.log")
-    except server_process.PortInUse as e:  # free_port()'s port, taken since
+    except server_process.PortUnavailable as e:  # free_port()'s port, taken since
         for i in todo:
             yield base_record(job, i, "error", f"the server did not start: {e}")
         return

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from runners import server_process
-from runners.server_process import PortInUse, ServerFailed, ServerProcess
+from runners.server_process import PortUnavailable, ServerFailed, ServerProcess
 from tests.test_server import free_port
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -82,7 +82,7 @@ def _other_server(port: int = 0) -> http.server.HTTPServer:
 def test_a_port_taken_before_start_is_refused_and_nothing_starts():
     other = _other_server()
     try:
-        with pytest.raises(PortInUse, match=f"127.0.0.1:{other.server_address[1]} is already in use"):
+        with pytest.raises(PortUnavailable, match=f"127.0.0.1:{other.server_address[1]} is already in use"):
             ServerProcess(SLEEP, {}, "127.0.0.1", other.server_address[1], "/health")
     finally:
         other.shutdown()

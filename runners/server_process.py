@@ -64,7 +64,8 @@ _guards: dict[int, subprocess.Popen] = {}
 
 
 def start(cmd: list[str], **popen_kw) -> subprocess.Popen:
-    """cmd in its own session, its group dying with this process (see the module's docstring)."""
+    """cmd in its own session, its group dying with this process (see the module's docstring). Pair every
+    start with a stop(), which also ends the group's guard."""
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent(), **popen_kw)
     # its own session too (a terminal's signals do not reach it), and no parent-death signal: it must
     # outlive this process to do its work

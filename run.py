@@ -70,6 +70,11 @@ if __name__ == "__main__":
         # an int, a scalar for a list; in a sweep it composes every job first) and exits 1 before
         # any job starts: a bad configuration, like the harness's own
         if exc.code == 1 and not _state["started"]:
+            # Hydra's advice for a key not in the schema is to add `+` to it: say which key was meant
+            from runners.schema import override_hints
+
+            for hint in override_hints(sys.argv[1:]):
+                print(f"error: {hint}", file=sys.stderr)
             sys.exit(2)
         raise
     if callbacks.sweep_exit_code is not None:

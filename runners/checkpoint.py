@@ -23,10 +23,29 @@ def verify_safetensors(path: Path) -> None:
             header = json.loads(f.read(n))
         except ValueError as exc:
             raise ConfigError(f"{path}: corrupted safetensors header ({exc})") from exc
+    problem = _header_problem(header)
+    if problem:
+        raise ConfigError(f"{path}: corrupted safetensors header ({problem})")
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ConfigError(f"{path}: truncated safetensors file: the header describes {8 + n + end} bytes, "
                           f"the file has {size}")
+
+
+def _header_problem(header) -> str | None:
+    """Why a parsed header is not the shape read here (an object of tensor entries, each with
+    data_offsets [begin, end], integers, begin <= end), or None."""
+    if not isinstance(header, dict):
+        return f"a JSON {type(header).__name__}, not an object"
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {key!r} has no data_offsets [begin, end] of integers, begin <= end"
+    return None
 
 
 def verify_checkpoint(directory: Path) -> None:

@@ -194,6 +194,30 @@ def _metric_problem(key: str, value: Any) -> str | None:
 # metrics every `ok` record has (decode_tok_s is None when only one token was generated)
 _OK_METRICS = ("ttft_s", "prefill_tok_s", "e2e_tok_s")
 
+# the nested fields the readers take apart (runners/tables.py, provenance.of_record, compare.py, figures.py),
+# parents before children: each is absent, null or of this kind (the kind's name, its check)
+_NESTED = {
+    "host": ("an object", lambda v: isinstance(v, dict)),
+    "host.cpu_name": ("a string", lambda v: isinstance(v, str)),
+    "environment_info": ("an object", lambda v: isinstance(v, dict)),
+    "decode_bound": ("an object", lambda v: isinstance(v, dict)),
+    "decode_bound.fraction": ("an object", lambda v: isinstance(v, dict)),
+    "decode_bound.fraction.best": ("a number", lambda v: _is_number(v)),
+    "config.environment": ("an object", lambda v: isinstance(v, dict)),
+    "point.concurrency": ("an integer", lambda v: _is_int(v)),
+    "raw": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def _nested_problem(rec: dict[str, Any]) -> str | None:
+    for path, (kind, ok) in _NESTED.items():
+        value: Any = rec
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None and not ok(value):
+            return f"{path}={json.dumps(value, default=str)[:80]} is not {kind}"
+    return None
+
 
 def record_problem(rec: dict[str, Any]) -> str | None:
     """Why `rec` is not a record that tables and resume can use, or None. Checks the shape they read,
@@ -209,11 +233,19 @@ def record_problem(rec: dict[str, Any]) -> str | None:
     for key in ("config", "metrics"):
         if rec.get(key) is not None and not isinstance(rec[key], dict):
             return f"{key} is not an object"
+    nested = _nested_problem(rec)
+    if nested:
+        return nested
     metrics = rec.get("metrics") or {}
     if rec["status"] == "ok":
         missing = [k for k in _OK_METRICS if not _is_number(metrics.get(k))]
         if missing:
             return f"an ok record without metrics ({', '.join(missing)})"
+        # a measurement makes at least one token: with none, its metrics (and `valid`) describe nothing
+        raw_tokens = (rec.get("raw") or {}).get("tokens")
+        counts = [metrics.get("tokens"), *(raw_tokens if isinstance(raw_tokens, list) else [])]
+        if any(_is_number(n) and n < 1 for n in counts):
+            return f"an ok record with 0 tokens (metrics.tokens={metrics.get('tokens')!r}, raw.tokens={raw_tokens!r})"
     problem = next(filter(None, (_metric_problem(k, v) for k, v in metrics.items())), None)
     if problem is None and rec["status"] == "ok":  # a line written before the writer refused them
         found = first_non_finite(rec)

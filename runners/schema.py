@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -342,14 +343,41 @@ def check_known_keys(node: DictConfig, prefix: str = "") -> None:
     for key, value in node.items_ex(resolve=False):
         name = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"did you mean {prefix}{close[0]}? " if close else ""
             where = prefix[:-1] or "the top level"
             if where == "system":  # in a sweep over systems, say which one lacks it
                 where = f"system={node.get('name')}"
-            raise ConfigError(f"{name} is not a known key; {hint}allowed under {where}: {', '.join(fields)}")
+            raise ConfigError(_unknown_key(str(key), prefix, fields, where))
         if isinstance(value, DictConfig):
             check_known_keys(value, f"{name}.")
+
+
+def _unknown_key(key: str, prefix: str, fields: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, fields, n=1)
+    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+    return f"{prefix}{key} is not a known key; {hint}allowed under {where}: {', '.join(fields)}"
+
+
+def override_hints(args: list[str]) -> list[str]:
+    """For the command line's `key=value` overrides (without +, ~ or hydra.) whose key the schema does not
+    have: the line check_known_keys would say, with its did-you-mean. Hydra refuses such a typo first, and
+    suggests adding `+` to it. system.* keys are left to check_known_keys: they depend on the system."""
+    out = []
+    for arg in args:
+        key, eq, _ = arg.partition("=")
+        if not eq or key.startswith(("-", "+", "~", "hydra.", "system.")):
+            continue
+        node: Any = Config
+        prefix = ""
+        for part in key.split("."):
+            if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+                break  # a free-form mapping, a list or a system: any key
+            fields = [f.name for f in dataclasses.fields(node)]
+            if part not in fields:
+                out.append(_unknown_key(part, prefix, fields, prefix[:-1] or "the top level"))
+                break
+            node = typing.get_type_hints(node)[part]
+            prefix += f"{part}."
+    return out
 
 
 def validate(cfg: DictConfig) -> Config:

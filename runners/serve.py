@@ -5,36 +5,28 @@ The server is the system's own (fiddler.server, llama-cpp-python's llama_cpp.ser
 in a child process with the environment the system declares; the adapter says how to start it
 (SystemAdapter.server_command). A system that cannot serve here prints `skipped` with the reason, writes
 it to the run folder (serve.json) and exits 0, as a skipped measurement does.
+
+The child is started and stopped by runners/server_process.py: it never outlives this process (even
+SIGKILLed), `ready:` means the server started here answered, and a failed start (a taken port: exit 2, as a
+bad key; an early exit or a load failure /health reports: exit 1) is said at once, with the reason, in the
+output and in serve.json.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from baselines.base import ModelSpec, RunContext, SystemUnavailable
 
 from .main import prepare, resolve_model_path
+from .schema import ConfigError
+from .server_process import PortUnavailable, ServerFailed, ServerProcess
 from .session import load_adapter_class
-
-
-def health(host: str, port: int, path: str = "/health", timeout: float = 5.0) -> int | None:
-    """The HTTP status of GET path, None when nothing answers."""
-    try:
-        c = http.client.HTTPConnection(host, port, timeout=timeout)
-        c.request("GET", path)
-        status = c.getresponse().status
-        c.close()
-        return status
-    except OSError:
-        return None
 
 
 def _context(conf, resolved: dict) -> RunContext:
@@ -66,41 +58,44 @@ def serve(cfg, run_dir: Path) -> int:
         write("skipped", reason=str(e))
         return 0
     facts.update(model_path=model_path, command=cmd, notes=adapter.server_notes())
-    env = {**os.environ, **cls.process_env}
-    proc = subprocess.Popen(cmd, env=env)
-    stop = {"signal": None}
+    try:
+        server = ServerProcess(cmd, {**os.environ, **cls.process_env}, s.host, s.port, adapter.server_health_path)
+    except PortUnavailable as e:  # nothing started: like a bad key, exit 2 (run.py), naming the way out
+        reason = f"serve.host={s.host} serve.port={s.port}: {e}"
+        write("error", reason=reason)
+        raise ConfigError(reason) from None
+    facts["pid"] = server.proc.pid
+    stop: dict[str, Any] = {"signal": None}
 
-    def forward(sig, frame):  # the server drains on its own SIGTERM
+    def forward(sig, frame):  # the server drains on its own SIGTERM; a second signal kills it
+        server.signal(signal.SIGTERM if stop["signal"] is None else signal.SIGKILL)
         stop["signal"] = sig
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if stop.get("sent") is None else signal.SIGKILL)
-            stop["sent"] = sig
 
     old = {g: signal.signal(g, forward) for g in (signal.SIGTERM, signal.SIGINT)}
+    failure = None
     try:
         url = f"http://{s.host}:{s.port}/v1"
         print(f"serving system={conf.system.name} model={conf.model.name} at {url} (loading...)", flush=True)
-        end = time.monotonic() + s.ready_timeout_s
-        while proc.poll() is None and stop["signal"] is None:
-            if health(s.host, s.port, adapter.server_health_path) == 200:
+        try:
+            if server.wait_ready(s.ready_timeout_s, cancelled=lambda: stop["signal"] is not None):
                 print(f"ready: {url} (SIGTERM or Ctrl-C stops it)", flush=True)
                 write("serving", url=url)
-                break
-            if time.monotonic() > end:
-                print(f"error: the server did not answer {adapter.server_health_path} within "
-                      f"serve.ready_timeout_s={s.ready_timeout_s:g}", file=sys.stderr)
-                proc.send_signal(signal.SIGTERM)
-                break
-            time.sleep(0.5)
-        rc = proc.wait()
+        except ServerFailed as e:
+            failure = str(e)
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            server.signal(signal.SIGTERM)
+        server.proc.wait()  # until the server ends: on a forwarded signal, or of itself
     finally:
         for g, h in old.items():
             signal.signal(g, h)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        rc = server.stop(s.drain_timeout_s + 30)  # what is left of its process group
     # a server that ends on the SIGTERM we forwarded by dying of it (uvicorn re-raises it) stopped as asked
-    clean = rc == 0 or (stop["signal"] is not None and rc == -signal.SIGTERM)
-    write("stopped" if clean else "error", exit_code=rc)
-    print(f"server exited with {rc}", file=sys.stdout if clean else sys.stderr)
+    clean = failure is None and (rc == 0 or (stop["signal"] is not None and rc == -signal.SIGTERM))
+    # exit_code: this run's; a server stopped after a failed start may itself exit 0
+    if clean:
+        write("stopped", exit_code=0, server_exit_code=rc)
+    else:
+        write("error", exit_code=1, server_exit_code=rc, reason=failure or f"the server exited with {rc}")
+    print(f"server exited with {rc}" + (" (stopped after the error above)" if failure else ""),
+          file=sys.stdout if clean else sys.stderr)
     return 0 if clean else 1

@@ -22,7 +22,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import numpy as np
 
 from baselines.base import ModelSpec, RunContext, SystemUnavailable
 
+from . import server_process
 from .session import Job, base_record, load_adapter_class
 
 PERCENTILES = (50, 90, 99)
@@ -80,56 +80,10 @@ def metrics_from_guidellm(report: dict, slo_ttft_s: float, slo_tpot_s: float) ->
     return m
 
 
-class _Server:
-    """The system's server in a child process, its output in a log file; stopped with SIGTERM (it drains)."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, host: str, port: int, health_path: str):
-        self.host, self.port, self.health_path, self.log = host, port, health_path, log
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        from .serve import health
-
-        end = time.monotonic() + timeout_s
-        while health(self.host, self.port, self.health_path) != 200:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.tail()}")
-            if time.monotonic() > end:
-                raise RuntimeError(f"the server did not answer {self.health_path} within {timeout_s:g} s")
-            time.sleep(0.5)
-
-    def metrics_text(self) -> str | None:
-        import http.client
-
-        try:
-            c = http.client.HTTPConnection(self.host, self.port, timeout=10)
-            c.request("GET", "/metrics")
-            r = c.getresponse()
-            return r.read().decode() if r.status == 200 else None
-        except OSError:
-            return None
-
-    def tail(self, n: int = 2000) -> str:
-        try:
-            return self.log.read_text()[-n:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 60) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
 def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: Path, timeout_s: float,
                  has_health: bool = True) -> dict:
     # guidellm checks GET /health first; a server without one (llama_cpp.server) was already seen ready on its
-    # own route (_Server.wait_ready)
+    # own route (ServerProcess.wait_ready)
     check = "" if has_health else ",validate_backend=false"
     cmd = guidellm_command() + [
         "run", "--backend", f"kind=openai_http,target={target},request_format=/v1/completions{check}",
@@ -139,9 +93,15 @@ def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: 
         "--data", f"kind=synthetic_text,prompt_tokens={point['input_len']},output_tokens={point['output_len']}",
         "--output", f"kind=json,path={out}", "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if res.returncode != 0 or not out.exists():
-        raise RuntimeError(f"guidellm exited with {res.returncode}: {(res.stderr or res.stdout)[-1500:]}")
+    # its own process group, dying with this process (runners/server_process.py): a timeout, SIGTERM or Ctrl-C
+    # of the run stops guidellm with its fork, spawn workers and resource tracker
+    proc = server_process.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        server_process.stop(proc, grace_s=10)  # what is left of its group, however this ends
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"guidellm exited with {proc.returncode}: {(stderr or stdout)[-1500:]}")
     return json.loads(out.read_text())
 
 
@@ -173,14 +133,19 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
         return
     run_dir = Path(job.run_dir or tempfile.mkdtemp())
     progress.note("starting the server")
-    server = _Server(cmd, {**os.environ, **cls.process_env}, run_dir / "server.log", serve.host, serve.port,
-                     adapter.server_health_path)
+    try:
+        server = server_process.ServerProcess(cmd, {**os.environ, **cls.process_env}, serve.host, serve.port,
+                                              adapter.server_health_path, log=run_dir / "server.log")
+    except server_process.PortUnavailable as e:  # free_port()'s port, taken since
+        for i in todo:
+            yield base_record(job, i, "error", f"the server did not start: {e}")
+        return
     try:
         try:
             server.wait_ready(serve.ready_timeout_s)
-        except RuntimeError as e:
+        except server_process.ServerFailed as e:
             for i in todo:
-                yield base_record(job, i, "error", f"the server did not start: {e}")
+                yield base_record(job, i, "error", f"the server did not start: {e}: {server.tail(1000)}")
             return
         target = f"http://{serve.host}:{serve.port}"
         for i in todo:

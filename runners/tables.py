@@ -6,6 +6,7 @@ and so does the line above the table.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -177,18 +178,43 @@ FILTERS = ("system", "model", "workload", "environment", "mode", "status")
 def select(recs: Iterable[dict[str, Any]], since: str | None = None, until: str | None = None,
            **allowed: Iterable[str] | None) -> list[dict[str, Any]]:
     """The records whose FILTERS fields are among `allowed[field]` (None: any) and whose time lies in
-    [since, until] (ISO dates or times, compared as text: `2026-12-01` covers that whole day as `until`)."""
+    [since, until], compared as times (ISO dates or times; without an offset, UTC, as records are written; a date
+    covers that whole day, so `until=2026-12-01` keeps all of it). A record whose time is not one is left out
+    by either bound. ValueError for a bound that is not an ISO date or time."""
+    lo = _bound("--since", since, end=False)
+    hi = _bound("--until", until, end=True)
     out = []
     for r in recs:
         if any(values is not None and str(r.get(k)) not in set(map(str, values)) for k, values in allowed.items()):
             continue
-        t = str(r.get("time") or "")
-        if since and t[:len(since)] < since:
-            continue
-        if until and t[:len(until)] > until:
-            continue
+        if lo is not None or hi is not None:
+            t = _time(r.get("time"))
+            if t is None or (lo is not None and t < lo) or (hi is not None and t > hi):
+                continue
         out.append(r)
     return out
+
+
+def _time(value: Any) -> _dt.datetime | None:
+    """An ISO time as an aware datetime (UTC when it names no offset), None when it is not one."""
+    try:
+        t = _dt.datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)
+
+
+def _bound(flag: str, value: str | None, end: bool) -> _dt.datetime | None:
+    if value is None:
+        return None
+    try:  # a date alone: its first instant, or (as an end) its last
+        day = _dt.date.fromisoformat(value)
+        t = _dt.datetime.combine(day, _dt.time.max if end else _dt.time.min, _dt.timezone.utc)
+    except ValueError:
+        t = _time(value)
+    if t is None:
+        raise ValueError(f"{flag} {value!r} is not an ISO date or time (e.g. 2026-12-01 or 2026-12-01T10:00+02:00)")
+    return t
 
 
 def higher_is_better(metric: str) -> bool:

@@ -7,10 +7,11 @@ directories holding them (searched recursively).
     python scripts/tables.py results/index.jsonl --pivot system --baseline llama_cpp --metric decode_tok_s
 
 Filters (--system, --model, --workload, --environment, --mode, --status: any of the values given;
---since/--until: the record's time, an ISO date or time) apply before the latest record per configuration
-is taken. --format md (default) prints the table as Markdown with constant columns lifted into a header
-line; csv, json and jsonl print every column's raw values. --pivot KEY puts KEY's values (usually system)
-in columns, one metric (--metric, default e2e_tok_s), and --baseline NAME adds each one's speedup over NAME.
+--since/--until: the record's time, an ISO date or time, compared as times, UTC where no offset is given)
+apply before the latest record per configuration is taken. --format md (default) prints the table as Markdown
+with constant columns lifted into a header line; csv, json and jsonl print every column's raw values. --pivot
+KEY puts KEY's values (usually system) in columns, one metric (--metric, default e2e_tok_s), and --baseline
+NAME adds each one's speedup over NAME.
 
 Damaged lines (any bytes that are not a usable record: not UTF-8, not JSON, the wrong shape, `ok`
 without metrics) are reported on stderr with file and line number and skipped, never silently dropped.
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         recs = collect(args.paths)
     except OSError as exc:  # a missing path, or a file that cannot be read
         raise SystemExit(f"error: {exc}") from None
-    recs = tables.select(recs, since=args.since, until=args.until, **{k: getattr(args, k) for k in tables.FILTERS})
+    try:
+        recs = tables.select(recs, since=args.since, until=args.until, **{k: getattr(args, k) for k in tables.FILTERS})
+    except ValueError as exc:  # a --since/--until that is no time
+        ap.error(str(exc))
     table = tables.build(recs)
     if args.pivot:
         if table.empty:

@@ -56,6 +56,40 @@ def test_corrupted_safetensors_header_names_the_file(tmp_path, tiny_path):
         resolve_model_path(prepare(cfg_of(f"model.path={bad}"))[0])
 
 
+def _with_header(f: Path, header: bytes) -> None:
+    """f as a safetensors file whose JSON header is `header` (valid JSON), followed by some data."""
+    import struct
+
+    f.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+
+
+WRONG_HEADERS = [b"[1,2,3]", b"5", b'{"w": 5}', b'{"w": {"dtype": "F32", "shape": [1]}}',
+                 b'{"w": {"data_offsets": "x"}}', b'{"w": {"data_offsets": [0]}}',
+                 b'{"w": {"data_offsets": [8, 4]}}', b'{"w": {"data_offsets": [0, true]}}']
+
+
+@pytest.mark.parametrize("header", WRONG_HEADERS)
+def test_safetensors_header_of_the_wrong_shape_names_the_file(tmp_path, tiny_path, header):
+    """Bug 11 (issue 55): valid JSON of the wrong shape (a list, entries without data_offsets) was an
+    AttributeError or KeyError at the start-up check, not the one-line error the README promises."""
+    bad = copy_model(tiny_path, tmp_path / "m")
+    f = next(bad.glob("*.safetensors"))
+    _with_header(f, header)
+    with pytest.raises(ConfigError, match=f"{f.name}: corrupted safetensors header"):
+        resolve_model_path(prepare(cfg_of(f"model.path={bad}"))[0])
+
+
+def test_safetensors_header_of_the_wrong_shape_exits_2_with_one_line(tmp_path, tiny_path):
+    bad = copy_model(tiny_path, tmp_path / "m")
+    f = next(bad.glob("*.safetensors"))
+    _with_header(f, b"[1,2,3]")
+    res = run_py(f"model.path={bad}", f"hydra.run.dir={tmp_path / 'run'}", f"run.index_path={tmp_path / 'i.jsonl'}",
+                 timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f.name in lines[0] and "corrupted safetensors header" in lines[0], res.stderr[-2000:]
+
+
 def test_prompt_longer_than_context_is_an_error_record(tmp_path):
     recs = run_job(cfg_of("system.adapter=tests.fake_systems:FakeSystem", "workload.input_lens=[8190,8]",
                           "workload.output_lens=[4]", "workload.repetitions=1", "run.isolation=inline",

@@ -98,3 +98,67 @@ def test_run_files_get_the_users_umask(tmp_path):
     for name in ("records.jsonl", "table.md", "table.csv"):
         assert (tmp_path / "run" / name).stat().st_mode & 0o777 == 0o644, name
     assert (tmp_path / "group.txt").stat().st_mode & 0o777 == 0o664
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _set(rec: dict, path: str, value) -> dict:
+    """A deep copy of rec with the dotted path set to value (its parents made objects where needed)."""
+    rec = json.loads(json.dumps(rec))
+    *parents, leaf = path.split(".")
+    node = rec
+    for key in parents:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[leaf] = value
+    return rec
+
+
+# every nested field the table tools (scripts/tables.py, compare.py, plot.py) take apart, each with values of a
+# kind they cannot use; the issue's probes first
+ODD_FIELDS = [("host", "x"), ("environment_info", "x"), ("decode_bound", [1, 2]), ("config.environment", "x"),
+              ("point.concurrency", [1]), ("host", [1]), ("host.cpu_name", [1]), ("host.cpu_name", {"a": 1}),
+              ("environment_info", [1]), ("decode_bound", "x"), ("decode_bound.fraction", [1]),
+              ("decode_bound.fraction.best", "x"), ("decode_bound.fraction.best", [1]), ("config.environment", [1]),
+              ("point.concurrency", "x"), ("point.concurrency", 1.5), ("point.concurrency", True), ("raw", "x"),
+              ("raw", [1])]
+
+
+@pytest.mark.parametrize("path, value", ODD_FIELDS, ids=[f"{p}={json.dumps(v)}" for p, v in ODD_FIELDS])
+def test_table_tools_skip_a_line_with_an_odd_field_naming_file_line_and_field(tmp_path, capsys, path, value):
+    """Bug 10 (issue 55): `"host":"x"`, `"environment_info":"x"`, `"decode_bound":[1,2]`, config.environment a
+    string or a list inside `point` crashed scripts/tables.py, compare.py and plot.py (AttributeError,
+    TypeError, exit 1). Each tool now skips that line, says file:line and which field, and goes on."""
+    index = tmp_path / "index.jsonl"
+    index.write_text(json.dumps(_set(GOOD, path, value)) + "\n" + json.dumps(GOOD) + "\n")
+    field = path.split(".")[0]
+    for tool, argv in (("tables", [str(index)]), ("compare", [str(index), str(index)]),
+                       ("plot", [str(index), "--x", "input_len", "--y", "e2e_tok_s", "--format", "svg",
+                                 "--out", str(tmp_path / "plot")])):
+        with pytest.warns(UserWarning, match=r"index.jsonl:1: damaged record line skipped"):
+            assert _script(tool).main(argv) == 0, tool
+        out = capsys.readouterr()
+        skipped = [line for line in out.err.splitlines() if "index.jsonl:1: damaged record line skipped" in line]
+        assert skipped and field in skipped[0], (tool, out.err)
+        assert "index.jsonl:2" not in out.err, (tool, out.err)  # the good line is used
+
+
+@pytest.mark.parametrize("bad", [{**GOOD, "metrics": {**GOOD["metrics"], "tokens": 0}},
+                                 {**GOOD, "raw": {"ttft_s": [0.5, 0.5], "decode_s": [1.0, 1.0], "tokens": [4, 0]}}],
+                         ids=["metrics.tokens", "raw.tokens"])
+def test_an_ok_record_with_0_tokens_is_reported_never_valid(tmp_path, capsys, bad):
+    """An `ok` line with 0 tokens was shown as a row reading `valid: True`: no measurement made of nothing is."""
+    path = tmp_path / "index.jsonl"
+    path.write_text(json.dumps(bad) + "\n" + json.dumps({**GOOD, "system": "t"}) + "\n")
+    with pytest.warns(UserWarning, match=r"index.jsonl:1: damaged record line skipped"):
+        assert tables_script.main([str(path)]) == 0
+    out = capsys.readouterr()
+    assert "tokens" in out.err.splitlines()[0]
+    with pytest.warns(UserWarning):
+        assert list(tables.build(records.read_records(path))["system"]) == ["t"]

@@ -89,3 +89,107 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
         assert r["serving"]["load_generator"].startswith("guidellm ")
     assert "| streams" in res.stdout or "streams |" in res.stdout
     assert (d / "server.log").exists()
+
+
+# ---------------------------------------------------------------- issue 55 bug 9: a run leaves nothing behind
+
+def _procs(pids):
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _kill_all(procs) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_load_generator_that_times_out_leaves_no_process_behind(tmp_path, monkeypatch):
+    """On run.timeout_s the load generator was killed alone; its workers lived on under PID 1."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from runners import serving
+
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("FAKE_LOADGEN_PIDS", str(pids_file))
+    monkeypatch.setattr(serving, "guidellm_command", lambda: [sys.executable, str(Path(__file__).parent / "fake_loadgen.py")])
+    point = {"concurrency": 1, "input_len": 8, "output_len": 4}
+    procs = []
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            serving.run_guidellm("http://127.0.0.1:9", "m", point, 1, tmp_path / "out.json", timeout_s=5)
+        deadline = time.monotonic() + 30
+        while not pids_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        procs = _procs(map(int, pids_file.read_text().split()))
+        gone, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    finally:
+        _kill_all(procs)
+
+
+@pytest.mark.skipif(guidellm_command() is None, reason="guidellm (the serving extra) is not installed")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_stopped_serving_run_leaves_no_process_behind(tmp_path, sig):
+    """SIGTERM of a `workload=serving` run left five guidellm processes (a fork, three spawn workers, a resource
+    tracker) alive under PID 1. Every process the run started is now gone when it exits, even of SIGKILL
+    (runners/server_process.py: parent-death signal, and a guard per process group)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    pytest.importorskip("fastapi")
+    from tests.test_cli import ROOT
+
+    d = tmp_path / "D"
+    run = subprocess.Popen([sys.executable, "run.py", "system=fiddler", "model=tiny_mixtral", "workload=serving",
+                            "workload.concurrency=[2]", "workload.requests_per_stream=1000", "workload.input_lens=[16]",
+                            "workload.output_lens=[200]", f"hydra.run.dir={d}", f"run.index_path={tmp_path / 'i.jsonl'}"],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    started = []
+    try:
+        deadline = time.monotonic() + 400
+        while True:  # until guidellm runs with its spawn workers
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() else ""
+            started = psutil.Process(run.pid).children(recursive=True)
+            if any("spawn_main" in " ".join(p.cmdline()) for p in started):
+                break
+            time.sleep(1)
+        time.sleep(3)  # the workers are all up
+        started = psutil.Process(run.pid).children(recursive=True)
+        run.send_signal(getattr(signal, sig))
+        run.wait(120)
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+        if sig == "SIGKILL":  # nothing to record: no handler runs
+            assert run.returncode == -signal.SIGKILL
+            return
+        assert run.returncode == 128 + getattr(signal, sig)
+        recs = [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
+        assert [r["status"] for r in recs] == ["interrupted"]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(10)
+        _kill_all(started)

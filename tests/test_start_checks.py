@@ -108,6 +108,20 @@ def test_unknown_keys_added_with_plus_are_refused(override, expected):
     assert str(err.value).startswith(expected)
 
 
+@pytest.mark.parametrize("args, expected", [
+    (("workload.repetitons=3",), "workload.repetitons is not a known key; did you mean workload.repetitions?"),
+    (("environment.cpu.thread=4",), "environment.cpu.thread is not a known key; did you mean environment.cpu.threads?"),
+    (("-m", "workload.repetitons=3,5"), "workload.repetitons is not a known key; did you mean workload.repetitions?"),
+])
+def test_a_typo_without_plus_gets_a_did_you_mean_naming_the_right_key(tmp_path, args, expected):
+    """`workload.repetitons=3` got Hydra's 'To append to your config use +workload.repetitons=3', which adds the
+    typo, and no word of the key meant."""
+    res = run_py(*args, f"hydra.run.dir={tmp_path / 'D'}", f"hydra.sweep.dir={tmp_path / 'S'}",
+                 f"run.index_path={tmp_path / 'i.jsonl'}", timeout=120)
+    assert res.returncode == 2 and expected in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "i.jsonl").exists()
+
+
 def test_free_form_mappings_still_take_new_keys():
     conf = prepare(cfg_of("+model.arch.rope_theta=10000.0"))[0]
     assert conf.model.arch["rope_theta"] == 10000.0

@@ -68,6 +68,30 @@ def test_filters_by_model_workload_environment_mode_status_and_date():
     assert tables.select(RECS, workload=["nope"]) == []
 
 
+def test_since_and_until_compare_times_as_times():
+    """Times were compared as text: a time zone, a space for the T or a record's own offset gave the wrong side."""
+    at = {t: rec("fiddler", 1.0, time=t) for t in ("2026-12-01T09:00:00+00:00", "2026-12-01T11:30:00+01:00",
+                                                  "2026-12-01T10:00:00", "2026-12-02T00:30:00+02:00")}
+
+    def times(**kw):
+        return sorted(r["time"] for r in tables.select(list(at.values()), **kw))
+
+    # 11:00+02:00 is 09:00 UTC: all but the 2 December record, which is 22:30 UTC on 1 December
+    assert times(since="2026-12-01T11:00:00+02:00") == sorted(at)
+    assert times(since="2026-12-01 09:30") == ["2026-12-01T10:00:00", "2026-12-01T11:30:00+01:00",
+                                               "2026-12-02T00:30:00+02:00"]  # naive times are UTC, as records are
+    assert times(until="2026-12-01T10:45:00Z") == ["2026-12-01T09:00:00+00:00", "2026-12-01T10:00:00",
+                                                   "2026-12-01T11:30:00+01:00"]
+    assert times(since="2026-12-01", until="2026-12-01") == sorted(at)  # a date: the whole (UTC) day
+    with pytest.raises(ValueError, match="--since 'yesterday' is not an ISO date or time"):
+        tables.select(list(at.values()), since="yesterday")
+
+
+def test_a_bad_since_is_refused_with_exit_2(tmp_path):
+    res = run(tmp_path, "--since", "yesterday")
+    assert res.returncode == 2 and "--since 'yesterday' is not an ISO date or time" in res.stderr, res.stderr
+
+
 def test_cli_formats_filters_and_pivot(tmp_path):
     res = run(tmp_path, "--format", "json", "--mode", "execute", "--model", "m")
     assert res.returncode == 0, res.stderr

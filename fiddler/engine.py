@@ -25,7 +25,7 @@ from .gpu_side import GpuSide
 from . import hostmem
 from .hostmem import host_storages
 from .kernel_loader import load_kernels
-from .model import MoETransformer
+from .model import KERNEL_EVERY_COUNT, MoETransformer
 from .placement import DensePlacement, dense_placement, layer_dense_bytes
 from .threads import torch_threads
 from .weights import load_weights
@@ -67,7 +67,7 @@ def choose_kernel_max_tokens(weight: torch.Tensor, candidates=CROSSOVER_TOKENS, 
                 best_n = n
             else:
                 break
-    return best_n if best_n < candidates[-1] else 1 << 30
+    return best_n if best_n < candidates[-1] else KERNEL_EVERY_COUNT
 
 
 ATTENTION_PROBE_TOKENS = 256

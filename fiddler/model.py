@@ -23,9 +23,14 @@ import torch.nn.functional as F
 
 from .config import MoEConfig
 from .executors.contract import ExpertExecutor
+from .executors.ffn import torch_expert
 from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
 from .threads import torch_threads
 from .weights import ExpertWeights, ModelWeights
+
+
+#: kernel_max_tokens meaning "the kernel at every token count" (torch never serves the projection)
+KERNEL_EVERY_COUNT = 1 << 30
 
 
 class Linear:
@@ -34,7 +39,7 @@ class Linear:
     may win (decided by measurement, see `choose_kernel_max_tokens`), torch. `weight` is None once the
     kernel serves every token count (the engine drops torch's copy)."""
 
-    kernel_max_tokens: int = 1 << 30  # default; the Engine sets it per model from a measurement
+    kernel_max_tokens: int = KERNEL_EVERY_COUNT  # default; the Engine sets it per model from a measurement
 
     def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None, bias: torch.Tensor | None = None):
         self.weight: torch.Tensor | None = weight
@@ -69,15 +74,23 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight.to(torch.float32), eps)  # one fused op
 
 
+def yarn_factor(cfg: MoEConfig) -> float:
+    """The YaRN context scaling factor of cfg.rope_scaling (its own, or max positions / original)."""
+    r = cfg.rope_scaling
+    return r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context scaled by `scale` (transformers' get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def yarn_inv_freq(cfg: MoEConfig) -> tuple[torch.Tensor, float]:
     """YaRN inverse frequencies and attention factor over cfg.rope_dim, as transformers'
     _compute_yarn_parameters computes them (DeepSeek's rope_scaling)."""
     r, base, dim = cfg.rope_scaling, cfg.rope_theta, cfg.rope_dim
-    factor = r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
+    factor, get_mscale = yarn_factor(cfg), yarn_mscale
     orig = r["original_max_position_embeddings"]
-
-    def get_mscale(scale, mscale=1.0):
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
     attention_factor = r.get("attention_factor")
     if attention_factor is None:
@@ -108,8 +121,7 @@ def attention_scale(cfg: MoEConfig) -> float:
     scale = cfg.qk_head_dim ** -0.5
     r = cfg.rope_scaling
     if r and r.get("mscale_all_dim"):
-        factor = r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
-        m = 1.0 if factor <= 1 else 0.1 * r["mscale_all_dim"] * math.log(factor) + 1.0
+        m = yarn_mscale(yarn_factor(cfg), r["mscale_all_dim"])
         scale = scale * m * m
     return scale
 
@@ -217,7 +229,7 @@ class DenseMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed.forward(x.contiguous())
-        return F.linear(F.silu(F.linear(x, self.w.w1)) * F.linear(x, self.w.w3), self.w.w2)
+        return torch_expert(self.w, x)
 
 
 @dataclass

@@ -105,3 +105,22 @@ def test_the_fused_row_and_its_fallback_both_ran():
         del e.executor._decode_row_on_cpu
     assert e.executor.stats.experts["a"] > 0  # some decode rows went to the general path
     assert calls  # and some to the fused row
+
+
+def test_the_batch_engine_uses_only_the_engines_public_names():
+    """fiddler/batch drives Engine through its public API (issue 46): no `engine._name` anywhere in it."""
+    import ast
+    import pathlib
+
+    import fiddler.batch
+
+    private = []
+    for path in pathlib.Path(fiddler.batch.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            # self.engine._x, engine._x, e._x where the value names the Engine
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = node.value
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                if name in ("engine", "e", "eng"):
+                    private.append(f"{path.name}:{node.lineno} {name}.{node.attr}")
+    assert private == []

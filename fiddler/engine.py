@@ -25,7 +25,7 @@ from .gpu_side import GpuSide
 from . import hostmem
 from .hostmem import host_storages
 from .kernel_loader import load_kernels
-from .model import MoETransformer
+from .model import KERNEL_EVERY_COUNT, MoETransformer
 from .placement import DensePlacement, dense_placement, layer_dense_bytes
 from .threads import torch_threads
 from .weights import load_weights
@@ -67,7 +67,7 @@ def choose_kernel_max_tokens(weight: torch.Tensor, candidates=CROSSOVER_TOKENS, 
                 best_n = n
             else:
                 break
-    return best_n if best_n < candidates[-1] else 1 << 30
+    return best_n if best_n < candidates[-1] else KERNEL_EVERY_COUNT
 
 
 ATTENTION_PROBE_TOKENS = 256
@@ -213,7 +213,7 @@ class Engine:
         self.dtype, self.gpu, self.device = dtype, gpu, gpu.device
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._info = info
-        self._torch_threads = torch_threads  # torch intra-op threads while generating (None: unchanged)
+        self.torch_threads = torch_threads  # torch intra-op threads while generating (None: unchanged)
 
     @classmethod
     def from_pretrained(
@@ -325,7 +325,9 @@ class Engine:
 
     # ------------------------------------------------------------------ API
 
-    def _prompt(self, input_ids) -> torch.Tensor:
+    def prompt_ids(self, input_ids) -> torch.Tensor:
+        """One prompt's token ids as a 1-D long tensor (from a list, a 1-D or a [1, S] tensor), checked against
+        the vocabulary: what generate and the batch engine take a prompt through."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 2:
             if ids.shape[0] != 1:
@@ -352,13 +354,13 @@ class Engine:
     ) -> GenerationOutput:
         """Generate exactly `max_new_tokens` (fewer only if `eos_token_id` is given and produced).
         Sampling is seeded by `seed`, or by the engine's seed stream when None."""
-        prompt = self._prompt(input_ids)
+        prompt = self.prompt_ids(input_ids)
         gen = self._generator if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         self.executor.reset_stats()
         if self.gpu.is_cuda:  # cuda_memory in the stats: this generate's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model.multi_row_expert_loads = self.model.multi_row_layer_steps = 0
-        with torch_threads(self._torch_threads):
+        with torch_threads(self.torch_threads):
             out = generate(
                 self.model,
                 prompt,
@@ -400,10 +402,10 @@ class Engine:
     @torch.inference_mode()
     def forward_logits(self, input_ids) -> torch.Tensor:
         """Teacher-forced fp32 logits [S, vocab] for one prompt (no generation; the KV cache is overwritten)."""
-        prompt = self._prompt(input_ids)
+        prompt = self.prompt_ids(input_ids)
         if prompt.shape[0] > self.model.max_seq_len:
             raise ValueError(f"prompt of {prompt.shape[0]} tokens exceeds max_seq_len={self.model.max_seq_len}")
-        with torch_threads(self._torch_threads):
+        with torch_threads(self.torch_threads):
             return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
 
     def host_bytes(self) -> dict[str, int]:

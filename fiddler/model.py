@@ -23,9 +23,14 @@ import torch.nn.functional as F
 
 from .config import MoEConfig
 from .executors.contract import ExpertExecutor
+from .executors.ffn import torch_expert
 from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
 from .threads import torch_threads
 from .weights import ExpertWeights, ModelWeights
+
+
+#: kernel_max_tokens meaning "the kernel at every token count" (torch never serves the projection)
+KERNEL_EVERY_COUNT = 1 << 30
 
 
 class Linear:
@@ -34,7 +39,7 @@ class Linear:
     may win (decided by measurement, see `choose_kernel_max_tokens`), torch. `weight` is None once the
     kernel serves every token count (the engine drops torch's copy)."""
 
-    kernel_max_tokens: int = 1 << 30  # default; the Engine sets it per model from a measurement
+    kernel_max_tokens: int = KERNEL_EVERY_COUNT  # default; the Engine sets it per model from a measurement
 
     def __init__(self, weight: torch.Tensor, *, use_kernel: bool | None = None, bias: torch.Tensor | None = None):
         self.weight: torch.Tensor | None = weight
@@ -69,15 +74,23 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight.to(torch.float32), eps)  # one fused op
 
 
+def yarn_factor(cfg: MoEConfig) -> float:
+    """The YaRN context scaling factor of cfg.rope_scaling (its own, or max positions / original)."""
+    r = cfg.rope_scaling
+    return r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context scaled by `scale` (transformers' get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def yarn_inv_freq(cfg: MoEConfig) -> tuple[torch.Tensor, float]:
     """YaRN inverse frequencies and attention factor over cfg.rope_dim, as transformers'
     _compute_yarn_parameters computes them (DeepSeek's rope_scaling)."""
     r, base, dim = cfg.rope_scaling, cfg.rope_theta, cfg.rope_dim
-    factor = r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
+    factor, get_mscale = yarn_factor(cfg), yarn_mscale
     orig = r["original_max_position_embeddings"]
-
-    def get_mscale(scale, mscale=1.0):
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
     attention_factor = r.get("attention_factor")
     if attention_factor is None:
@@ -108,8 +121,7 @@ def attention_scale(cfg: MoEConfig) -> float:
     scale = cfg.qk_head_dim ** -0.5
     r = cfg.rope_scaling
     if r and r.get("mscale_all_dim"):
-        factor = r.get("factor") or cfg.max_position_embeddings / r["original_max_position_embeddings"]
-        m = 1.0 if factor <= 1 else 0.1 * r["mscale_all_dim"] * math.log(factor) + 1.0
+        m = yarn_mscale(yarn_factor(cfg), r["mscale_all_dim"])
         scale = scale * m * m
     return scale
 
@@ -217,7 +229,7 @@ class DenseMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed.forward(x.contiguous())
-        return F.linear(F.silu(F.linear(x, self.w.w1)) * F.linear(x, self.w.w3), self.w.w2)
+        return torch_expert(self.w, x)
 
 
 @dataclass
@@ -617,21 +629,18 @@ class MoETransformer:
                                  f"{self.max_seq_len})")
         if len({s.slot for s in segments}) != len(segments):
             raise ValueError("two segments on the same cache row")
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        eps = self.cfg.rms_norm_eps
         norm = rms_norm_f32 if self.fp32_quant_acts else self._norm
         with torch_threads(self.torch_linear_threads if self._torch_serves_linears(N) else None):
-            if N == len(segments) and self.decode_fastpath and self._decode_ops is not None and \
-                    tokens.device.type == "cpu":  # one token per sequence: the fused decode step, row by row
+            if self._fused_decode(N // len(segments), tokens.device) and N == len(segments):
+                # one token per sequence: the fused decode step, row by row
                 pos = torch.tensor([s.start for s in segments], dtype=torch.int64)
                 rows = torch.tensor([s.slot for s in segments], dtype=torch.int64)
                 logits = self._decode_step(tokens.view(N, 1), pos, False, rows)
                 return logits if want_logits is None else logits[torch.as_tensor(want_logits, dtype=torch.bool)]
             x = F.embedding(tokens.to(self.embed.device), self.embed)  # [N, H]
-            for i, layer in enumerate(self.layers):
-                if x.device != layer.device:
-                    x = x.to(layer.device)
-                x = x + self._attend_segments(i, norm(x, layer.input_norm, eps), segments)
-                x = self._moe(i, x, norm(x, layer.post_norm, eps), layer.router, False)
+            x = self._layers(x, lambda i, h: self._attend_segments(i, h, segments),
+                             lambda x, w, _buf: norm(x, w, eps), False)
             ends = torch.tensor([0] + [s.length for s in segments]).cumsum(0)[1:] - 1
             if want_logits is not None:
                 ends = ends[torch.as_tensor(want_logits, dtype=torch.bool)]
@@ -658,10 +667,10 @@ class MoETransformer:
             w = torch.cat([w, g.to(w.dtype).expand(T, S)], dim=1)
         return idx, w
 
-    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, router: Linear | None, count_rows: bool) -> torch.Tensor:
+    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, count_rows: bool) -> torch.Tensor:
         """x + MLP(h) for layer i: a dense layer's MLP, or route, hand the experts to the executor, then the
         executor's hook that sees the residual stream after each MoE layer (e.g. to guess and prefetch the
-        next layer's experts with its router, as Mixtral-Offloading does). `router`: unused (the layer's)."""
+        next layer's experts with its router, as Mixtral-Offloading does)."""
         layer = self.layers[i]
         if layer.mlp is not None:
             return x + layer.mlp(h.to(self.dtype))
@@ -696,15 +705,19 @@ class MoETransformer:
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
         x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
         f32 = self.fp32_quant_acts
-        for i, layer in enumerate(self.layers):
-            h = rms_norm_f32(x, layer.input_norm, eps) if f32 else norm(x, layer.input_norm, eps, out=buf_n1)
+
+        def fused_attention(i: int, h: torch.Tensor) -> torch.Tensor:
+            layer = self.layers[i]
             qkv = layer.qkv_proj(h, out=buf_qkv)
             if qk_ops:
                 qkv = self._qk_norm_clip(layer, qkv, B, 1)
             a = attend(i, qkv, pos, buf_att) if rows is None else attend.rows(i, qkv, pos, rows, buf_att)
-            x = x + layer.o_proj(a, out=buf_o)
-            h = rms_norm_f32(x, layer.post_norm, eps) if f32 else norm(x, layer.post_norm, eps, out=buf_n2)
-            x = self._moe(i, x, h, layer.router, B > 1 and rows is None)
+            return layer.o_proj(a, out=buf_o)
+
+        def fused_norm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+            return rms_norm_f32(x, w, eps) if f32 else norm(x, w, eps, out=buf)
+
+        x = self._layers(x, fused_attention, fused_norm, B > 1 and rows is None, (buf_n1, buf_n2))
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
         if all_logits:
             return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)
@@ -721,9 +734,26 @@ class MoETransformer:
         if B > self.max_batch:
             raise ValueError(f"batch {B} exceeds max_batch={self.max_batch}")
         with torch_threads(self.torch_linear_threads if self._torch_serves_linears(B * T) else None):
-            if T == 1 and self.decode_fastpath and self._decode_ops is not None and tokens.device.type == "cpu":
+            if self._fused_decode(T, tokens.device):
                 return self._decode_step(tokens, start_pos, all_logits)
             return self._forward(tokens, start_pos, all_logits)
+
+    def _fused_decode(self, tokens_per_row: int, device: torch.device) -> bool:
+        """The one rule for the fused CPU decode step: one new token per row, its kernels bound (bf16, CPU,
+        GQA, one device: see _make_decode_ops) and not switched off (decode_fastpath)."""
+        return tokens_per_row == 1 and self.decode_fastpath and self._decode_ops is not None and device.type == "cpu"
+
+    def _layers(self, x: torch.Tensor, attention, norm, count_rows: bool, bufs=(None, None)) -> torch.Tensor:
+        """The one layer loop every forward runs: x + attention(norm(x)), then x + MoE/MLP(norm(x)), layer by
+        layer, the residual stream following each layer's device. attention(i, h) and norm(x, weight, buf)
+        are the step's (the fused decode kernels' into reused buffers, or the general ops); count_rows: count
+        the distinct experts of a several-row decode step (the decode bound)."""
+        for i, layer in enumerate(self.layers):
+            if x.device != layer.device:
+                x = x.to(layer.device)
+            x = x + attention(i, norm(x, layer.input_norm, bufs[0]))
+            x = self._moe(i, x, norm(x, layer.post_norm, bufs[1]), count_rows)
+        return x
 
     def _torch_serves_linears(self, rows: int) -> bool:
         """Whether torch serves the projections the packed kernel serves at fewer rows (every Linear has the
@@ -737,11 +767,8 @@ class MoETransformer:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         norm = rms_norm_f32 if self.fp32_quant_acts else self._norm  # final norm: bf16 into the bf16 lm_head
         x = F.embedding(tokens.reshape(-1).to(self.embed.device), self.embed)  # [B*T, H]
-        for i, layer in enumerate(self.layers):
-            if x.device != layer.device:
-                x = x.to(layer.device)
-            x = x + self._attend(i, norm(x, layer.input_norm, eps), B, T, start_pos)
-            x = self._moe(i, x, norm(x, layer.post_norm, eps), layer.router, T == 1 and B > 1)
+        x = self._layers(x, lambda i, h: self._attend(i, h, B, T, start_pos), lambda x, w, _buf: norm(x, w, eps),
+                         T == 1 and B > 1)
         x = x.to(self.norm.device)
         if all_logits:
             return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)

@@ -116,7 +116,7 @@ class BatchEngine:
         """Queue a request. Raises ValueError if it can never fit the context (naming the lengths) or its
         ids are out of the vocabulary, QueueFull if the queue is at max_queue."""
         params = params or SamplingParams()
-        ids = self.engine._prompt(prompt).cpu()
+        ids = self.engine.prompt_ids(prompt).cpu()
         check_lengths(ids.shape[0], params.max_tokens, self.engine.config.max_position_embeddings,
                       self.model.max_seq_len)
         with self._lock:
@@ -162,7 +162,7 @@ class BatchEngine:
         ex_before = _kind_counts(self.engine.executor.stats)
         tokens = torch.cat([self._tokens_of(w) for w in work])
         emits = [w.emits for w in work]
-        with torch_threads(self.engine._torch_threads):
+        with torch_threads(self.engine.torch_threads):
             logits = model.forward_segments(tokens.to(model.device), work, emits)
             chosen = self._choose([w for w in work if w.emits], logits)
         now = time.perf_counter()

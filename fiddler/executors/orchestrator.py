@@ -39,7 +39,7 @@ from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
 from .ffn import torch_expert
-from .routing import ExpertGroups, Scratch, SlotOutputs
+from .routing import ExpertGroups, Scratch, SlotOutputs, row_counts
 
 
 def empty_expert(config, dtype, device) -> ExpertWeights:
@@ -424,16 +424,23 @@ class FiddlerExecutor(ExpertExecutor):
     def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         t_start = time.perf_counter()
         T, K = topk_idx.shape
+        E = self.config.expert_slots
         self.begin_forward(layer, x, topk_idx)
+        # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
+        # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
+        counts = None
         if (T == 1 and self.fused_decode and self.kernel is not None and x.device.type == "cpu" and x.is_contiguous()
                 and topk_w.dtype == torch.bfloat16):
-            out = self._decode_row_on_cpu(layer, x, topk_idx, topk_w, t_start)
-            if out is not None:
-                return out
+            ids = topk_idx[0].tolist()
+            counts = row_counts(ids, E, layer)
+            plan: LayerPlan = self.planner(counts, self.placement.resident[layer], self.latency_model)
+            if self.packed_host and max(counts) == 1 and all(d is None or d == CPU for d in plan.decisions):
+                return self._decode_row_on_cpu(layer, x, ids, topk_w, plan, t_start)
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
         x_cpu, x = x, x.to(self.dtype)
-        groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
-        plan: LayerPlan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
+        groups = ExpertGroups(topk_idx, E, layer, counts)
+        if counts is None:
+            plan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
         combined = SlotOutputs(x, K, self._scratch)
 
         # CPU queue first, so it overlaps everything below.
@@ -494,24 +501,12 @@ class FiddlerExecutor(ExpertExecutor):
             y_e = torch_expert(self._dense(w), x.index_select(0, t_e))
         combined.put(t_e, s_e, y_e, topk_w)
 
-    def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-                           t_start: float) -> torch.Tensor | None:
-        """One token whose plan puts every routed expert on the CPU (always so without a GPU): all of
-        them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
-        between experts), with the same roundings as the general path. None: not this case."""
-        ids = topk_idx[0].tolist()
-        E = self.config.expert_slots
-        counts = [0] * E
-        for e in ids:
-            if not 0 <= e < E:
-                raise ValueError(f"expert ids must be in [0, {E}), got {e} (layer {layer})")
-            counts[e] += 1
-        if max(counts) > 1:
-            return None  # a repeated id (not from top-k): the general path sums its slots
-        plan: LayerPlan = self.planner(counts, self.placement.resident[layer], self.latency_model)
+    def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, ids: list[int], topk_w: torch.Tensor,
+                           plan: LayerPlan, t_start: float) -> torch.Tensor:
+        """One token whose plan puts every routed expert (distinct ids) on the CPU (always so without a GPU):
+        all of them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
+        between experts), with the same roundings as the general path."""
         packed = self.packed[layer]
-        if not self.packed_host or any(d is not None and d != CPU for d in plan.decisions):
-            return None
         moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
         out = moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
         wall = time.perf_counter() - t_start

@@ -5,11 +5,25 @@ from __future__ import annotations
 import torch
 
 
+def check_expert_id(e: int, num_experts: int, layer: int) -> None:
+    """The one rule for a routed expert id: in [0, num_experts)."""
+    if not 0 <= e < num_experts:
+        raise ValueError(f"expert ids must be in [0, {num_experts}), got {e} (layer {layer})")
+
+
 def expert_counts(flat_idx: torch.Tensor, num_experts: int, layer: int) -> list[int]:
     """Routed (token, slot) pairs per expert: the one host sync per layer. Rejects bad expert ids."""
     counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
-    if len(counts) != num_experts:
-        raise ValueError(f"expert ids must be in [0, {num_experts}), got {len(counts) - 1} (layer {layer})")
+    check_expert_id(len(counts) - 1, num_experts, layer)  # bincount grows past num_experts for an id beyond it
+    return counts
+
+
+def row_counts(ids: list[int], num_experts: int, layer: int) -> list[int]:
+    """expert_counts of one token's ids already on the host (the decode row: no tensor op, no sync)."""
+    counts = [0] * num_experts
+    for e in ids:
+        check_expert_id(e, num_experts, layer)
+        counts[e] += 1
     return counts
 
 
@@ -17,10 +31,11 @@ class ExpertGroups:
     """The (token, slot) pairs of topk_idx [T, K] grouped by expert. A stable sort keeps tokens in order
     within an expert, as transformers' grouped path orders them."""
 
-    def __init__(self, topk_idx: torch.Tensor, num_experts: int, layer: int):
+    def __init__(self, topk_idx: torch.Tensor, num_experts: int, layer: int, counts: list[int] | None = None):
+        """counts: expert_counts of topk_idx if the caller has them already (checked there)."""
         self.num_tokens, self.top_k = topk_idx.shape
         flat = topk_idx.reshape(-1)
-        self.counts = expert_counts(flat, num_experts, layer)
+        self.counts = counts if counts is not None else expert_counts(flat, num_experts, layer)
         self.order = torch.argsort(flat, stable=True)
         self.offsets = [0]
         for n in self.counts:

@@ -1,10 +1,10 @@
-// C entry points of the Fiddler CPU kernel library, called through ctypes (which releases the GIL).
+// Definitions of the C entry points declared in fk_api.h (called through ctypes, which releases the
+// GIL), apart from the decode ops (fk_decode.cpp) and the prefill attention (fk_attention.cpp).
 // Thin wrappers: the work lives in fk_cpu.cpp, fk_tuning.cpp, fk_pool.cpp, fk_driver.cpp and
 // fk_probe.cpp (see fk_internal.h). Errors return -1 (or a negative value) and fk_last_error().
+#include "fk_api.h"
 #include "fk_internal.h"
 #include "fk_quant.h"
-
-#define FK_API extern "C" __attribute__((visibility("default")))
 
 using namespace fk;
 
@@ -35,7 +35,7 @@ FK_API int fk_compiled_x86() {
 FK_API void fk_set_num_threads(int n) { set_default_threads(n); }
 // fn(ctx, begin, end) over [0, items) on the kernel's pool, as the kernels run their regions: lets a
 // caller (the tests) hold the pool with a region of its own and check what another call does meanwhile
-FK_API void fk_parallel_for(int threads, int64_t items, void (*fn)(const void*, int64_t, int64_t), const void* ctx) {
+FK_API void fk_parallel_for(int threads, int64_t items, fk_range_fn fn, const void* ctx) {
   parallel_for(threads, items, fn, ctx);
 }
 FK_API int fk_get_num_threads() { return default_threads(); }

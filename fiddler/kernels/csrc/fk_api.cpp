@@ -10,6 +10,33 @@ using namespace fk;
 
 FK_API const char* fk_last_error() { return last_error(); }
 
+// ---------------------------------------------------------------- constants
+namespace {
+struct Constant {
+  const char* name;
+  int64_t value;
+};
+// by the names fiddler/kernels/constants.py's exported() gives them (tests/test_kernel_api.py)
+const Constant kConstants[] = {
+    {"isa.generic", kIsaGeneric}, {"isa.avx2", kIsaAvx2}, {"isa.avx512_bf16", kIsaAvx512},
+    {"amx.off", kAmxOff}, {"amx.on", kAmxHw}, {"amx.emulated", kAmxEmulated},
+    {"hint.none", kHintNone}, {"hint.t0", kHintT0}, {"hint.t1", kHintT1}, {"hint.nta", kHintNta},
+    {"qmode.a8", kQModeA8}, {"qmode.w", kQModeW}, {"quant.amx_never", kQAmxNever},
+    {"quant.qk", kQK}, {"quant.rows", kQRows}, {"quant.align_k", kQAlignK},
+    {"bf16.block_n", kBlockN}, {"bf16.align_k", kAlignK},
+    {"q8_0.code", kQ8_0}, {"q8_0.block_bytes", q_block_bytes(kQ8_0)}, {"q8_0.quant_bytes", q_quant_bytes(kQ8_0)},
+    {"q4_0.code", kQ4_0}, {"q4_0.block_bytes", q_block_bytes(kQ4_0)}, {"q4_0.quant_bytes", q_quant_bytes(kQ4_0)},
+};
+constexpr int kNumConstants = int(sizeof(kConstants) / sizeof(kConstants[0]));
+}  // namespace
+
+FK_API int64_t fk_constant(const char* name) {
+  for (const Constant& c : kConstants)
+    if (name && std::string(name) == c.name) return c.value;
+  return fail(std::string("unknown constant ") + (name ? name : "(null)"));
+}
+FK_API const char* fk_constant_name(int i) { return i >= 0 && i < kNumConstants ? kConstants[i].name : nullptr; }
+
 // ---------------------------------------------------------------- configuration
 FK_API int fk_configure(int isa, int amx, int amx_min_tokens) { return configure(isa, amx, amx_min_tokens); }
 FK_API int fk_isa() { return current_isa(); }

@@ -31,8 +31,12 @@
 // fn(ctx, begin, end) over disjoint ranges covering [0, items) (fk_parallel_for)
 typedef void (*fk_range_fn)(const void* ctx, int64_t begin, int64_t end);
 
-// ---------------------------------------------------------------- errors
+// ---------------------------------------------------------------- errors and constants
 FK_API const char* fk_last_error();  // why the calling thread's last failing call failed
+// The constants the library and its callers share (ISA codes, block sizes, packed-layout parameters;
+// fiddler/kernels/constants.py holds the same values): the value of `name`, or -1 (fk_last_error) if unknown.
+FK_API int64_t fk_constant(const char* name);
+FK_API const char* fk_constant_name(int i);  // the i-th constant's name; null past the last
 
 // ---------------------------------------------------------------- configuration (fk_cpu.cpp, fk_tuning.cpp)
 // isa: -1 auto, else an ISA code; amx: -1 auto, else an AMX mode; amx_min_tokens <= 0: the default

@@ -9,6 +9,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,19 @@ def test_kernels_import_nothing_else_from_fiddler():
     broken = "def f():\n    from fiddler.latency import best_time\n    import fiddler.config\n    from ..quant import x\n"
     assert outside_imports(broken) == ["<src>:2: fiddler.latency", "<src>:3: fiddler.config", "<src>:4: from ..quant"]
     assert len((KERNELS / "__init__.py").read_text().splitlines()) < 250
+
+
+def test_model_sizes_need_neither_fiddler_quant_nor_the_engine():
+    """fiddler.config's byte counts (placement, simulate mode) take the block sizes from the constants, so
+    importing the config no longer runs through fiddler.quant into model/weights and back."""
+    code = ("import sys; from fiddler.config import MoEConfig\n"
+            "c = MoEConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_experts=8, top_k=2, num_heads=4,"
+            " num_kv_heads=2, head_dim=16, vocab_size=32)\n"
+            "print(c.expert_bytes(quant='q4_0'), c.expert_bytes(quant='q8_0'), c.expert_bytes(),"
+            " sorted(m for m in ('fiddler.quant', 'fiddler.model', 'fiddler.weights') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # w1, w3 [96, 64] and w2 [64, 96]: 2 * 96 * 2 + 64 * 3 blocks
+    assert r.stdout.split("[")[0].split() == [str(18 * (2 * 96 * 2 + 64 * 3)), str(34 * (2 * 96 * 2 + 64 * 3)),
+                                               str(2 * 3 * 64 * 96)]
+    assert r.stdout.strip().endswith("[]")

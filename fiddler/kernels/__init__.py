@@ -24,11 +24,10 @@ import os
 
 from . import _lib, constants, timing
 from ._lib import L as _L
-from .packed import PackedExpert, PackedLinear, _aligned_copy, _check_out, _check_tensor, _check_x, aligned_buffer
-from .packed import moe_ffn
+from .packed import PackedExpert, PackedLinear, aligned_buffer, moe_ffn
 from .probe import (LIMIT_STRATEGIES, READ_ONCE_STRATEGIES, limit_buffer, llc_bytes, read_limit, read_once_gbps,
                     stream_working_set_bytes)
-from .settings import (HINTS, _threads, amx_choice, blocking, blocking_choice, features, get_num_threads, is_available,
+from .settings import (HINTS, amx_choice, blocking, blocking_choice, features, get_num_threads, is_available,
                        isa, load_error, set_amx, set_isa, set_num_threads, set_stream, set_super_blocks, stream,
                        super_blocks_for)
 from .tuning import (AMX_TUNE_CANDIDATES, BLOCKING_TUNE_CANDIDATES, BLOCKING_TUNE_TOKENS, TUNE_CANDIDATES,

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import os
 
-from . import _lib, constants, timing
-from ._lib import L as _L
-from .packed import PackedExpert, PackedLinear, aligned_buffer, moe_ffn
-from .probe import (LIMIT_STRATEGIES, READ_ONCE_STRATEGIES, limit_buffer, llc_bytes, read_limit, read_once_gbps,
-                    stream_working_set_bytes)
-from .settings import (HINTS, amx_choice, blocking, blocking_choice, features, get_num_threads, is_available,
-                       isa, load_error, set_amx, set_isa, set_num_threads, set_stream, set_super_blocks, stream,
-                       super_blocks_for)
-from .tuning import (AMX_TUNE_CANDIDATES, BLOCKING_TUNE_CANDIDATES, BLOCKING_TUNE_TOKENS, TUNE_CANDIDATES,
-                     amx_crossover, fastest_blocking, time_tiles_and_vector, tune_amx, tune_blocking, tune_stream)
+# the package's names: what the engine, the benchmarks and the tests call (re-exports)
+from . import _lib, constants, timing  # noqa: F401
+from ._lib import L as _L  # noqa: F401
+from .packed import PackedExpert, PackedLinear, aligned_buffer, moe_ffn  # noqa: F401
+from .probe import (LIMIT_STRATEGIES, READ_ONCE_STRATEGIES, limit_buffer, llc_bytes, read_limit,  # noqa: F401
+                    read_once_gbps, stream_working_set_bytes)
+from .settings import (HINTS, amx_choice, blocking, blocking_choice, features, get_num_threads,  # noqa: F401
+                       is_available, isa, load_error, set_amx, set_isa, set_num_threads, set_stream, set_super_blocks,
+                       stream, super_blocks_for)
+from .tuning import (AMX_TUNE_CANDIDATES, BLOCKING_TUNE_CANDIDATES, BLOCKING_TUNE_TOKENS,  # noqa: F401
+                     TUNE_CANDIDATES, amx_crossover, fastest_blocking, time_tiles_and_vector, tune_amx, tune_blocking,
+                     tune_stream)
 
 __all__ = [
     "PackedExpert", "PackedLinear", "moe_ffn", "isa", "set_isa", "set_amx", "features", "set_num_threads",

@@ -20,8 +20,9 @@ from ctypes import c_void_p
 import torch
 
 from . import _lib
-from .constants import AMX_MODES, AMX_NEVER, QK, QUANT_FORMATS as FORMATS, QUANT_ISA_CODES as _ISA_CODES, QUANT_MODES as _MODES
-from .constants import BLOCK_BYTES, row_bytes as _row_bytes
+from .constants import AMX_MODES, AMX_NEVER, BLOCK_BYTES, QK
+from .constants import QUANT_FORMATS as FORMATS, QUANT_ISA_CODES as _ISA_CODES, QUANT_MODES as _MODES
+from .constants import row_bytes as _row_bytes
 from .packed import _aligned_copy, _check_out, _check_tensor, _check_x, aligned_buffer
 from .settings import _threads
 from .tuning import tune_amx

@@ -112,6 +112,7 @@ def tune_amx(experts, candidates=None, rounds: int = 3, threads: int | None = No
 BLOCKING_TUNE_CANDIDATES = (2, 4, 8)
 BLOCKING_TUNE_TOKENS = (64, 256, 512)
 
+
 def fastest_blocking(times: dict[int, dict[int, float]]) -> dict[int, int]:
     """For each token count, the candidate with the least time; times: {super_blocks: {tokens: seconds}}.
     A tie keeps the larger candidate (the default's side)."""
@@ -163,9 +164,9 @@ def tune_stream(candidates=TUNE_CANDIDATES, nbytes: int | None = None, rounds: i
                 hidden: int = 4096, ffn: int = 14336) -> dict:
     """Measures the expert kernel at one token (the decode regime) with each candidate prefetch,
     interleaved over `rounds`, keeps the fastest and returns {"chosen": its spec as stream() gives it,
-    "candidate": the winning candidate, "gbps": {candidate: best GB/s}}. The experts (Mixtral-8x7B's shape by default; their weight bits do not matter) are
-    cycled through `nbytes` of memory (default: twice the last-level cache, 256 MiB to 2 GiB), so
-    they come from DRAM as in decode."""
+    "candidate": the winning candidate, "gbps": {candidate: best GB/s}}. The experts (Mixtral-8x7B's shape
+    by default; their weight bits do not matter) are cycled through `nbytes` of memory (default: twice
+    the last-level cache, 256 MiB to 2 GiB), so they come from DRAM as in decode."""
     nbytes = nbytes or min(max(256 << 20, 2 * probe.llc_bytes()), 2 << 30)
     L = _lib.L()
     b13, b2 = L.fk_packed_bytes(ffn, hidden, 2), L.fk_packed_bytes(hidden, ffn, 1)

@@ -5,12 +5,17 @@ library loaded with ctypes: no libtorch or Python headers at build time (pip's i
 resolve a different torch than the installed one), no -march=native (each ISA file selects its own
 target with `#pragma GCC target`, and the library picks a path at run time from CPUID).
 """
+import glob
 import shutil
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [f"fiddler/kernels/csrc/{name}.cpp" for name in ("fk_api", "fk_cpu", "fk_tuning", "fk_pool", "fk_driver", "fk_probe", "fk_generic", "fk_avx2", "fk_avx512", "fk_amx", "fk_amx_emu", "fk_decode", "fk_quant", "fk_quant_avx2", "fk_quant_avx512", "fk_quant_amx", "fk_attention")]
+# Every source and header of csrc/, no hand-kept list: a new file is built (and a changed header rebuilds
+# everything) without an edit here. Sorted, so the link order does not depend on the file system.
+CSRC = "fiddler/kernels/csrc"
+SOURCES = sorted(glob.glob(f"{CSRC}/*.cpp"))
+HEADERS = sorted(glob.glob(f"{CSRC}/*.h"))
 
 
 class BuildKernels(build_ext):
@@ -39,7 +44,7 @@ setup(
         Extension(
             "fiddler.kernels._fiddler_cpu",
             sources=SOURCES,
-            depends=["fiddler/kernels/csrc/fk.h", "fiddler/kernels/csrc/fk_internal.h", "fiddler/kernels/csrc/fk_amx_impl.h", "fiddler/kernels/csrc/fk_decode_impl.h", "fiddler/kernels/csrc/fk_quant.h", "fiddler/kernels/csrc/fk_quant_amx_impl.h"],
+            depends=HEADERS,
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-pthread", "-g0"],
             extra_link_args=["-pthread"],

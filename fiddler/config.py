@@ -304,11 +304,11 @@ class MoEConfig:
         return 3 * self.hidden_size * self.intermediate_size
 
     def expert_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
-        """One expert's w1 + w3 + w2 (quant: llama.cpp blocks, fiddler.quant)."""
-        from .quant import weight_bytes
+        """One expert's w1 + w3 + w2 (quant: llama.cpp blocks, fiddler.kernels.constants)."""
+        from .kernels.constants import matrix_bytes  # not fiddler.quant, which imports this module's users
 
         h, f = self.hidden_size, self.intermediate_size
-        return 2 * weight_bytes(f, h, quant, dtype) + weight_bytes(h, f, quant, dtype)
+        return 2 * matrix_bytes(f, h, quant, dtype.itemsize) + matrix_bytes(h, f, quant, dtype.itemsize)
 
     def attention_matrices(self) -> list[tuple[int, int]]:
         """[out, in] shapes of one layer's attention projection matrices (what quantization applies to)."""
@@ -325,11 +325,11 @@ class MoEConfig:
     def attention_bytes(self, dtype: torch.dtype = torch.bfloat16, quant: str | None = None) -> int:
         """One layer's attention weights; quant: its projection matrices as llama.cpp blocks (fiddler.quant),
         biases and norms stay in dtype."""
-        from .quant import weight_bytes
+        from .kernels.constants import matrix_bytes
 
         mats = self.attention_matrices()
         small = self.attention_params() - sum(o * i for o, i in mats)
-        return sum(weight_bytes(o, i, quant, dtype) for o, i in mats) + small * dtype.itemsize
+        return sum(matrix_bytes(o, i, quant, dtype.itemsize) for o, i in mats) + small * dtype.itemsize
 
     def attention_params(self) -> int:
         """One layer's attention weights: projections (and their biases), q/k norms; for MLA the low-rank

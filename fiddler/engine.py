@@ -51,13 +51,10 @@ def choose_kernel_max_tokens(weight: torch.Tensor, candidates=CROSSOVER_TOKENS, 
         return 0
     packed = k.PackedLinear(weight)
 
-    def cpu_time(fn) -> float:
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t = time.thread_time()
-            fn()
-            best = min(best, time.thread_time() - t)
-        return best
+    from .kernels.timing import best_time  # the kernels loaded above
+
+    def cpu_time(fn) -> float:  # the calling thread's CPU time
+        return best_time(fn, repeats + 1, warmup=0, clock=time.thread_time)
 
     best_n = floor
     with torch_threads(1):
@@ -97,13 +94,10 @@ def choose_prefill_attention(cfg: MoEConfig, tokens: int = ATTENTION_PROBE_TOKEN
         return {"path": "kernel", "why": "prefill_attention='kernel'"}
     scale = dk ** -0.5
 
-    def cpu_time(fn) -> float:
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t = time.thread_time()
-            fn()
-            best = min(best, time.thread_time() - t)
-        return best
+    from .kernels.timing import best_time  # the kernels loaded above
+
+    def cpu_time(fn) -> float:  # the calling thread's CPU time
+        return best_time(fn, repeats + 1, warmup=0, clock=time.thread_time)
 
     with torch_threads(1):
         t_kernel = cpu_time(lambda: ka.causal_attention(q, k, v, scale, threads=1))

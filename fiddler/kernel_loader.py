@@ -1,40 +1,44 @@
 """The compiled CPU kernels, when they can be used here. Both are optional: without them (no compiler at
-install time, an unsupported CPU, a broken build) the engine runs the same computations with torch."""
+install time, an unsupported CPU, a broken build) the engine runs the same computations with torch.
+
+One library serves every module (fiddler.kernels binds all its entry points from csrc/fk_api.h at once),
+so each probe is the same question, whether it loaded, plus what the module itself needs (the prefill
+attention: the avx512_bf16 path)."""
 
 from __future__ import annotations
+
+import importlib
+
+
+def _module(name: str):
+    """(fiddler.kernels[.name], None), or (None, why it did not import)."""
+    try:
+        return importlib.import_module(f"{__package__}.kernels{'.' + name if name else ''}"), None
+    except Exception as e:  # noqa: BLE001 -- a broken build must not break the torch path
+        return None, e
 
 
 def load_kernels():
     """fiddler.kernels if its compiled library loaded, else None."""
-    try:
-        from . import kernels
-    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
-        return None
-    return kernels if kernels.is_available() else None
+    k, _ = _module("")
+    return k if k is not None and k.is_available() else None
 
 
 def load_decode_kernels():
-    """fiddler.kernels.decode if the compiled library has the fused decode ops, else None."""
-    try:
-        from .kernels import decode
-    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
-        return None
-    return decode if decode.is_available() else None
+    """fiddler.kernels.decode if the compiled library loaded (it has the fused decode ops), else None."""
+    d, _ = _module("decode")
+    return d if d is not None and d.is_available() else None
 
 
 def decode_kernels_error() -> str:
     """Why load_decode_kernels() returned None."""
-    try:
-        from .kernels import decode
-    except Exception as e:  # noqa: BLE001
+    d, e = _module("decode")
+    if d is None:
         return f"fiddler.kernels.decode did not import: {e}"
-    return decode.load_error() or "fiddler.kernels.decode is not available"
+    return d.load_error() or "fiddler.kernels.decode is not available"
 
 
 def load_attention_kernel():
     """fiddler.kernels.attention if this process's kernel runs the prefill attention, else None."""
-    try:
-        from .kernels import attention
-    except Exception:  # noqa: BLE001 -- a broken build must not break the torch path
-        return None
-    return attention if attention.is_available() else None
+    a, _ = _module("attention")
+    return a if a is not None and a.is_available() else None

@@ -183,15 +183,11 @@ _CACHE: dict[Any, LatencyModel] = {}
 
 
 def best_time(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
-    """Best-of-`repeats` wall time of fn() (fn must synchronise any asynchronous device work itself)."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """Best-of-`repeats` wall time of fn() (fn must synchronise any asynchronous device work itself):
+    fiddler.kernels.timing's, imported here when used (importing the kernels loads their library)."""
+    from .kernels.timing import best_time as best
+
+    return best(fn, repeats, warmup)
 
 
 def calibrate(cpu_fn: Callable[[int], Any], gpu_fn: Callable[[int], Any], copy_fn: Callable[[], Any], *,

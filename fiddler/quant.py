@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from .integrity import check_gguf_file, tensors_sha256, warn_rebuild
+from .kernels import constants as kc
+from .kernels.constants import BLOCK_BYTES, QK  # noqa: F401 -- llama.cpp's block sizes, shared with the kernel
 
-QUANT_TYPES = ("q8_0", "q4_0")
-QK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # fp16 scale + 32 int8 / 32 nibbles
+QUANT_TYPES = tuple(kc.QUANT_FORMATS)
 CACHE_VERSION = 1  # bump when the cached content changes meaning
 CACHE_FORMAT = "fiddler-quant"  # the cache files' metadata "format"
 
@@ -41,18 +41,16 @@ def check_quant(quant: str | None) -> str | None:
 
 def weight_bytes(rows: int, cols: int, quant: str | None, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of a [rows, cols] weight matrix: dense in `dtype`, or llama.cpp blocks (cols padded to 32)."""
-    if quant is None:
-        return rows * cols * dtype.itemsize
-    return rows * ((cols + QK - 1) // QK) * BLOCK_BYTES[quant]
+    return kc.matrix_bytes(rows, cols, quant, dtype.itemsize)
 
 
 def row_bytes(cols: int, quant: str) -> int:
     """Block bytes of one row of `cols` weights (padded to whole blocks)."""
-    return (cols + QK - 1) // QK * BLOCK_BYTES[quant]
+    return kc.row_bytes(quant, cols)
 
 
 def bits_per_weight(quant: str | None, dtype: torch.dtype = torch.bfloat16) -> float:
-    return 8.0 * dtype.itemsize if quant is None else 8.0 * BLOCK_BYTES[quant] / QK
+    return 8.0 * dtype.itemsize if quant is None else kc.bits_per_weight(quant)
 
 
 # ------------------------------------------------------------------ quantizing a loaded model

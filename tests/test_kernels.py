@@ -159,10 +159,10 @@ def test_blocking_tuning_measures_sets_and_can_be_overridden(monkeypatch):
     try:
         # a few KB cannot show the DRAM regime: nothing is measured, the default stays
         assert fk.tune_blocking([e]) == {"super_blocks": 8, "source": "default"}
-        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
+        monkeypatch.setattr(fk.probe, "llc_bytes", lambda: 0)
         # injected times, per token count (64, then 256), per candidate (2, 8): 2 wins at 64, 8 at 256
         clock = _ScriptedClock([2e-3, 3e-3, 6e-3, 5e-3])
-        monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        monkeypatch.setattr(fk.timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
         got = fk.tune_blocking([e] * 4, candidates=(2, 8), tokens=(64, 256), rounds=1)
         assert not clock.durations
         assert got["source"].startswith("tune_blocking: measured on 4 experts") and got["super_blocks"] == {64: 2, 256: 8}
@@ -565,7 +565,7 @@ def test_amx_crossover_is_where_amx_wins_from_there_on():
 
 
 class _ScriptedClock:
-    """perf_counter for fiddler.kernels: each timed call (a start and an end reading) lasts the next
+    """perf_counter for fiddler.kernels.timing: each timed call (a start and an end reading) lasts the next
     of `durations` seconds, whatever the kernel really took."""
 
     def __init__(self, durations):
@@ -587,10 +587,10 @@ def test_amx_tuning_measures_sets_and_can_be_overridden(monkeypatch):
         e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
         # a few KB cannot show the DRAM regime: nothing is measured, the default stays
         assert fk.tune_amx([e]) == {"min_tokens": 4, "source": "default"}
-        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
+        monkeypatch.setattr(fk.probe, "llc_bytes", lambda: 0)
         # injected times (AMX, vector per candidate): AMX loses at 2 tokens and wins from 16
         clock = _ScriptedClock([3e-3, 2e-3, 4e-3, 9e-3])
-        monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        monkeypatch.setattr(fk.timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
         got = fk.tune_amx([e] * 4, candidates=(2, 16), rounds=1)
         assert got["source"].startswith("tune_amx: measured on 4 experts") and got["ms"] == {2: (3.0, 2.0), 16: (4.0, 9.0)}
         assert got["min_tokens"] == 16 == fk.features()["amx_min_tokens"]
@@ -610,10 +610,10 @@ def test_amx_tuning_stores_the_times_it_chose_from(monkeypatch):
     fk.set_isa("auto")
     try:
         e = fk.PackedExpert(*(torch.ones(64, 32, dtype=torch.bfloat16),) * 2, torch.ones(32, 64, dtype=torch.bfloat16))
-        monkeypatch.setattr(fk, "_llc_bytes", lambda: 0)
+        monkeypatch.setattr(fk.probe, "llc_bytes", lambda: 0)
         # per candidate (2, 16): AMX then vector; at 16 AMX is 0.3 us slower, below the stored microsecond
         clock = _ScriptedClock([28.0004e-3, 10.0e-3, 9.0004e-3, 9.0001e-3])
-        monkeypatch.setattr(fk, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+        monkeypatch.setattr(fk.timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
         got = fk.tune_amx([e] * 4, candidates=(2, 16), rounds=1)
         assert not clock.durations  # every injected time was used
         assert got["min_tokens"] == fk.amx_crossover(got["ms"]) == fk.features()["amx_min_tokens"]

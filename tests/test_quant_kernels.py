@@ -208,7 +208,7 @@ def test_amx_modes_are_reported_and_validated():
 @pytest.mark.skipif(not (FEATS.get("avx512_vnni") and FEATS.get("os_avx512")), reason="no AVX512-VNNI")
 def test_tune_amx_sets_the_crossover_of_injected_timings(monkeypatch):
     """tune_amx times each candidate with the tiles and without, interleaved, and sets the format's
-    min_tokens by fiddler.kernels.amx_crossover; the clock is injected (no assertion rests on a real
+    min_tokens by fiddler.kernels.amx_crossover (one tune_amx for every format); the clock is injected (no assertion rests on a real
     timing): here the tiles lose at 4 and 8 and win from 12."""
     import fiddler.kernels as fkm
 
@@ -217,15 +217,15 @@ def test_tune_amx_sets_the_crossover_of_injected_timings(monkeypatch):
     g = torch.Generator().manual_seed(3)
     experts = [fq.QuantExpert.from_float(torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g),
                                          torch.randn(32, 64, generator=g), "q4_0") for _ in range(2)]
-    monkeypatch.setattr(fkm, "_llc_bytes", lambda: 1)  # these few bytes stand for experts streamed from DRAM
+    monkeypatch.setattr(fkm.probe, "llc_bytes", lambda: 1)  # these few bytes stand for experts streamed from DRAM
     ms = {4: (3.0, 2.0), 8: (3.0, 2.5), 12: (2.0, 3.0), 16: (2.0, 4.0)}  # (tiles, vector) per call
     ticks = iter([x for _ in range(2) for c in ms for d in ms[c] for x in (0.0, d / 1e3)])
-    monkeypatch.setattr(fkm, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(fkm.timing, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     got = fq.tune_amx(experts, candidates=tuple(ms), rounds=2)
     assert got["min_tokens"] == {"q8_0": 16, "q4_0": 12} and got["amx"] == "emulated"
     assert got["ms"] == {"q4_0": ms} and got["source"].startswith("tune_amx: measured on 2 q4_0 experts")
     # too few bytes to stream: nothing measured, nothing changed
-    monkeypatch.setattr(fkm, "_llc_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(fkm.probe, "llc_bytes", lambda: 1 << 40)
     assert fq.tune_amx(experts)["min_tokens"] == {"q8_0": 16, "q4_0": 12}
 
 

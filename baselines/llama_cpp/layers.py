@@ -16,16 +16,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fiddler.kernels.constants import BLOCK_BYTES, QK, bits_per_weight
+
 # Average bits per weight of llama.cpp's GGUF types (ggml block sizes: e.g. q8_0 stores 32 weights
 # in 34 bytes = 8.5 bits); the *_s/_m/_l mixes use their main k-type's size plus the share of larger
 # types llama.cpp's quantizer gives some tensors (approximate, from llama.cpp's quantize table).
 BITS_PER_WEIGHT = {
-    "f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5,
-    "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0,
+    "f32": 32.0, "f16": 16.0, "bf16": 16.0, **{f: bits_per_weight(f) for f in BLOCK_BYTES},
+    "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0,
     "q2_k": 2.96, "q3_k_s": 3.5, "q3_k_m": 3.91, "q3_k_l": 4.27, "q4_k_s": 4.58, "q4_k_m": 4.89,
     "q5_k_s": 5.54, "q5_k_m": 5.69, "q6_k": 6.56, "iq4_nl": 4.5, "iq4_xs": 4.25,
 }
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, **{f: BLOCK_BYTES[f] / QK for f in BLOCK_BYTES}}
 
 # CUDA context + llama.cpp's compute buffers (an allowance; llama.cpp's own log states them per run)
 OVERHEAD_BYTES = 768 * 2**20

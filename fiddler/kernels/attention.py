@@ -7,40 +7,19 @@ the avx512_bf16 path of the kernel; `is_available()` says whether this process h
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import _lib
+from .constants import ISA_CODES
 
 __all__ = ["causal_attention", "is_available", "supports"]
 
-_error: str | None = None
-
-
-def _declare() -> bool:
-    global _error
-    L = _lib.lib
-    if L is None:
-        _error = f"fiddler.kernels unavailable: {_lib.load_error}"
-        return False
-    i64, vp = ctypes.c_int64, ctypes.c_void_p
-    try:
-        f = L.fk_causal_attention_bf16
-    except AttributeError as e:  # a library built before fk_attention.cpp existed
-        _error = f"the kernel library lacks the prefill attention ({e}); rebuild with `pip install -e .`"
-        return False
-    f.restype = ctypes.c_int
-    f.argtypes = [vp, vp, vp] + [i64] * 15 + [ctypes.c_float, vp, ctypes.c_int]
-    return True
-
-
-_ok = _declare()
+_error = None if _lib.lib is not None else f"fiddler.kernels unavailable: {_lib.load_error}"
 
 
 def is_available() -> bool:
     """Whether this process's kernel runs the prefill attention (the avx512_bf16 path is active)."""
-    return _ok and _lib.lib.fk_isa() == 2
+    return _lib.lib is not None and _lib.lib.fk_isa() == ISA_CODES["avx512_bf16"]
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -73,5 +52,5 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), out.data_ptr(),
         int(threads))
     if rc != 0:
-        raise RuntimeError(f"causal_attention: {_lib.lib.fk_last_error().decode()}")
+        raise RuntimeError(f"causal_attention: {_lib.last_error()}")
     return out

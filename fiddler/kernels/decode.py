@@ -13,8 +13,6 @@ Numerics against the torch ops: see fk_decode.cpp and tests/test_decode_fastpath
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import _lib
@@ -22,38 +20,8 @@ from . import _lib
 __all__ = ["DecodeAttention", "is_available", "load_error", "rms_norm", "rope_attention_decode"]
 
 _BF16 = torch.bfloat16
-_error: str | None = None
-
-
-def _declare() -> bool:
-    global _error
-    L = _lib.lib
-    if L is None:
-        _error = f"fiddler.kernels unavailable: {_lib.load_error}"
-        return False
-    c = ctypes
-    i64, vp = c.c_int64, c.c_void_p
-    sigs = {
-        "fk_decode_last_error": (c.c_char_p, []),
-        "fk_rmsnorm_bf16": (c.c_int, [vp, vp, i64, i64, c.c_float, vp]),
-        "fk_rope_attn_decode_bf16": (
-            c.c_int, [vp, i64, i64, i64, i64, i64, vp, vp, vp, vp, i64, i64, i64, c.c_float, vp],
-        ),
-        "fk_rope_attn_decode_rows_bf16": (
-            c.c_int, [vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, i64, i64, i64, c.c_float, vp],
-        ),
-    }
-    try:
-        for name, (res, args) in sigs.items():
-            f = getattr(L, name)
-            f.restype, f.argtypes = res, args
-    except AttributeError as e:  # a library built before fk_decode.cpp existed
-        _error = f"the kernel library lacks the decode ops ({e}); rebuild with `pip install -e .`"
-        return False
-    return True
-
-
-_ok = _declare()
+_ok = _lib.lib is not None
+_error = None if _ok else f"fiddler.kernels unavailable: {_lib.load_error}"
 if _ok:
     _rmsnorm = _lib.lib.fk_rmsnorm_bf16
     _rope_attn = _lib.lib.fk_rope_attn_decode_bf16
@@ -71,7 +39,7 @@ def load_error() -> str | None:
 
 def _check(rc: int) -> None:
     if rc != 0:
-        raise RuntimeError(f"fiddler.kernels.decode: {_lib.lib.fk_decode_last_error().decode()}")
+        raise RuntimeError(f"fiddler.kernels.decode: {_lib.last_error()}")
 
 
 def _need():

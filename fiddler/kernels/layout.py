@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_N, ALIGN_K = 32, 32  # bf16: rows per block, k padding
-Q_ROWS, Q_ALIGN_K, QK = 16, 64, 32  # quantized: rows per row group, k padding, weights per llama.cpp block
-Q_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # fp16 scale + quants
-Q_QUANT_BYTES = {"q8_0": 8 * 64, "q4_0": 4 * 64}  # one block of a row group
+# the layouts' parameters, shared with the C++ side (fiddler.kernels.constants, checked against the library)
+from .constants import ALIGN_K, BLOCK_N, Q_ALIGN_K, Q_QUANT_BYTES, Q_ROWS, QK
+from .constants import BLOCK_BYTES as Q_BLOCK_BYTES
 
 
 def _round_up(v: int, m: int) -> int:

@@ -19,17 +19,18 @@ from ctypes import c_void_p
 
 import torch
 
-from . import _L, _aligned_copy, _check_out, _check_tensor, _check_x, _threads, aligned_buffer
 from . import _lib
+from .constants import AMX_MODES, AMX_NEVER, BLOCK_BYTES, QK
+from .constants import QUANT_FORMATS as FORMATS, QUANT_ISA_CODES as _ISA_CODES, QUANT_MODES as _MODES
+from .constants import row_bytes as _row_bytes
+from .packed import _aligned_copy, _check_out, _check_tensor, _check_x, aligned_buffer
+from .settings import _threads
+from .tuning import tune_amx
+
+_L = _lib.L
 
 __all__ = ["FORMATS", "BLOCK_BYTES", "quantize", "dequantize", "QuantLinear", "QuantExpert", "moe_ffn",
            "set_mode", "mode", "set_amx", "amx", "path", "tune_amx", "row_bytes"]
-
-FORMATS = {"q8_0": 0, "q4_0": 1}
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # llama.cpp's block_q8_0 / block_q4_0: fp16 d + 32 (16) bytes
-QK = 32
-_MODES = {"a8": 0, "w": 1}
-_ISA_CODES = {"generic": 0, "avx2": 1, "avx512_vnni": 2}
 
 
 def _fmt(fmt: str) -> int:
@@ -40,7 +41,7 @@ def _fmt(fmt: str) -> int:
 
 def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one row of k weights in llama.cpp's blocks (k padded to 32)."""
-    return (k + QK - 1) // QK * BLOCK_BYTES[fmt]
+    return _row_bytes(fmt, k)
 
 
 def set_mode(name: str | None = None, isa: str | None = None) -> dict:
@@ -53,7 +54,7 @@ def set_mode(name: str | None = None, isa: str | None = None) -> dict:
         raise ValueError(f"unknown quantized ISA {isa!r}; choose one of {', '.join(_ISA_CODES)}")
     rc = _L().fk_set_qmode(-1 if name == "auto" else _MODES[name], -1 if isa is None else _ISA_CODES[isa])
     if rc != 0:
-        raise ValueError(f"cannot select quantized mode {name!r} on {isa or 'auto'}: {_L().fk_last_error().decode()}")
+        raise ValueError(f"cannot select quantized mode {name!r} on {isa or 'auto'}: {_lib.last_error()}")
     return mode()
 
 
@@ -65,8 +66,7 @@ def mode() -> dict:
     return {"mode": inv[L.fk_qmode()], "isa": isas[L.fk_qisa()], "source": L.fk_qmode_source().decode()}
 
 
-_AMX_MODES = {"auto": -1, "off": 0, "on": 1, "emulated": 2}
-AMX_NEVER = 17  # min_tokens that no row-group call (at most 16 tokens) reaches
+_AMX_MODES = {"auto": -1, **AMX_MODES}
 AMX_TUNE_CANDIDATES = (4, 8, 12, 16)
 _AMX_CHOICE: dict = {"source": "default"}
 
@@ -88,7 +88,7 @@ def set_amx(setting: str = "auto", min_tokens: int | dict | None = None, source:
             raise ValueError(f"min_tokens must be in 1..{AMX_NEVER} ({AMX_NEVER}: never), got {n!r} for {f}")
     rc = _L().fk_set_qamx(_AMX_MODES[setting], per.get("q8_0") or 0, per.get("q4_0") or 0)
     if rc != 0:
-        raise ValueError(f"cannot set the quantized AMX mode {setting!r}: {_L().fk_last_error().decode()}")
+        raise ValueError(f"cannot set the quantized AMX mode {setting!r}: {_lib.last_error()}")
     _AMX_CHOICE.clear()
     _AMX_CHOICE["source"] = source if any(per.values()) else "default"
     return amx()
@@ -99,7 +99,7 @@ def amx() -> dict:
     "min_tokens": {format: n}, "status": the self-check's verdict ("ok", "not checked" or why the tiles are
     off), "source": where min_tokens came from (+ "ms": {format: {tokens: (amx, vector)}} from tune_amx)}."""
     L = _L()
-    inv = {1: "on", 2: "emulated", 0: "off"}
+    inv = {v: k for k, v in AMX_MODES.items()}
     return {"amx": inv[L.fk_qamx()], "min_tokens": {f: L.fk_qamx_min_tokens(c) for f, c in FORMATS.items()},
             "status": L.fk_qamx_status().decode(), **_AMX_CHOICE}
 
@@ -111,32 +111,6 @@ def path(tokens: int, fmt: str) -> str:
     tiles = {"on": "+amx", "emulated": "+amx_emulated"}.get(a["amx"], "")
     _fmt(fmt)
     return f"{m['isa']}{tiles if min(tokens, 16) >= a['min_tokens'][fmt] else ''}:{m['mode']}"
-
-
-def tune_amx(experts, candidates=AMX_TUNE_CANDIDATES, rounds: int = 3, threads: int | None = None) -> dict:
-    """Measures from how many tokens the AMX-INT8 tiles beat the vector kernel on these quantized experts
-    (one format; they must stream from DRAM: more bytes than twice the last-level cache) and sets it for
-    their format, as fiddler.kernels.tune_amx does for bf16: each candidate runs with the tiles and
-    without, interleaved, on a different expert each time; the choice is the smallest candidate from which
-    the tiles are at least as fast at every larger one (AMX_NEVER if they lose at the largest). A no-op
-    returning amx() where the tiles are not in use or the experts are too few."""
-    from . import _streaming_experts, amx_crossover, time_tiles_and_vector
-
-    tiles = amx()["amx"]  # "on" (or "emulated": the same choice on software tiles, for tests)
-    experts = _streaming_experts(experts, QuantExpert)
-    if tiles == "off" or not experts:
-        return amx()
-    fmt, hidden = experts[0].fmt, experts[0].hidden
-    prev, prev_ms = amx()["min_tokens"], dict(_AMX_CHOICE.get("ms", {}))
-    try:
-        ms = time_tiles_and_vector(experts, candidates, rounds, threads, lambda s: set_amx(s, 1), (tiles, "off"))
-    finally:
-        set_amx(tiles, prev)
-    chosen = min(amx_crossover(ms), AMX_NEVER)
-    set_amx(tiles, {**prev, fmt: chosen}, source=f"tune_amx: measured on {len(experts)} {fmt} experts of "
-                                                f"{hidden}x{experts[0].ffn}")
-    _AMX_CHOICE["ms"] = {**prev_ms, fmt: ms}
-    return amx()
 
 
 # ------------------------------------------------------------------ quantize / dequantize

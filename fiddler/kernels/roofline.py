@@ -17,14 +17,14 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from .timing import best_time
+
 _N, _K, _M = 4096, 4096, 512  # 32 MiB of bf16 weights, 17 GFLOP a call: compute-bound on any CPU
 _CACHE: dict = {}
 KINDS = ("bf16", "q8_0", "q4_0")
 
 
 def _best_s(fn, repeats: int) -> float:
-    from fiddler.latency import best_time
-
     return best_time(fn, repeats=repeats, warmup=1)  # warm-up: first-touch, oneDNN's primitive cache, the pool
 
 

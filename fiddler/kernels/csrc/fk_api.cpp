@@ -1,14 +1,41 @@
-// C entry points of the Fiddler CPU kernel library, called through ctypes (which releases the GIL).
+// Definitions of the C entry points declared in fk_api.h (called through ctypes, which releases the
+// GIL), apart from the decode ops (fk_decode.cpp) and the prefill attention (fk_attention.cpp).
 // Thin wrappers: the work lives in fk_cpu.cpp, fk_tuning.cpp, fk_pool.cpp, fk_driver.cpp and
 // fk_probe.cpp (see fk_internal.h). Errors return -1 (or a negative value) and fk_last_error().
+#include "fk_api.h"
 #include "fk_internal.h"
 #include "fk_quant.h"
-
-#define FK_API extern "C" __attribute__((visibility("default")))
 
 using namespace fk;
 
 FK_API const char* fk_last_error() { return last_error(); }
+
+// ---------------------------------------------------------------- constants
+namespace {
+struct Constant {
+  const char* name;
+  int64_t value;
+};
+// by the names fiddler/kernels/constants.py's exported() gives them (tests/test_kernel_api.py)
+const Constant kConstants[] = {
+    {"isa.generic", kIsaGeneric}, {"isa.avx2", kIsaAvx2}, {"isa.avx512_bf16", kIsaAvx512},
+    {"amx.off", kAmxOff}, {"amx.on", kAmxHw}, {"amx.emulated", kAmxEmulated},
+    {"hint.none", kHintNone}, {"hint.t0", kHintT0}, {"hint.t1", kHintT1}, {"hint.nta", kHintNta},
+    {"qmode.a8", kQModeA8}, {"qmode.w", kQModeW}, {"quant.amx_never", kQAmxNever},
+    {"quant.qk", kQK}, {"quant.rows", kQRows}, {"quant.align_k", kQAlignK},
+    {"bf16.block_n", kBlockN}, {"bf16.align_k", kAlignK},
+    {"q8_0.code", kQ8_0}, {"q8_0.block_bytes", q_block_bytes(kQ8_0)}, {"q8_0.quant_bytes", q_quant_bytes(kQ8_0)},
+    {"q4_0.code", kQ4_0}, {"q4_0.block_bytes", q_block_bytes(kQ4_0)}, {"q4_0.quant_bytes", q_quant_bytes(kQ4_0)},
+};
+constexpr int kNumConstants = int(sizeof(kConstants) / sizeof(kConstants[0]));
+}  // namespace
+
+FK_API int64_t fk_constant(const char* name) {
+  for (const Constant& c : kConstants)
+    if (name && std::string(name) == c.name) return c.value;
+  return fail(std::string("unknown constant ") + (name ? name : "(null)"));
+}
+FK_API const char* fk_constant_name(int i) { return i >= 0 && i < kNumConstants ? kConstants[i].name : nullptr; }
 
 // ---------------------------------------------------------------- configuration
 FK_API int fk_configure(int isa, int amx, int amx_min_tokens) { return configure(isa, amx, amx_min_tokens); }
@@ -35,7 +62,7 @@ FK_API int fk_compiled_x86() {
 FK_API void fk_set_num_threads(int n) { set_default_threads(n); }
 // fn(ctx, begin, end) over [0, items) on the kernel's pool, as the kernels run their regions: lets a
 // caller (the tests) hold the pool with a region of its own and check what another call does meanwhile
-FK_API void fk_parallel_for(int threads, int64_t items, void (*fn)(const void*, int64_t, int64_t), const void* ctx) {
+FK_API void fk_parallel_for(int threads, int64_t items, fk_range_fn fn, const void* ctx) {
   parallel_for(threads, items, fn, ctx);
 }
 FK_API int fk_get_num_threads() { return default_threads(); }

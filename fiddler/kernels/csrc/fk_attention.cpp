@@ -26,9 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fk_api.h"
 #include "fk_internal.h"
-
-#define FK_API extern "C" __attribute__((visibility("default")))
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -253,7 +252,7 @@ int causal_attention(const Args& a, int threads) {
 // Causal attention of T queries over T keys (positions 0..T-1) for B sequences: q [B][nh][T][dk] and
 // k [B][nkv][T][dk], v [B][nkv][T][dv] given by their strides in elements (the last dim dense), out
 // [B][T][nh][dv] dense (o_proj's input). nh a multiple of nkv; dk even, dv a multiple of 16, both at
-// most 256. Needs the AVX512-BF16 path (fk_isa() == 2); otherwise -1 and the caller uses torch.
+// most 256. Needs the AVX512-BF16 path (kIsaAvx512); otherwise -1 and the caller uses torch.
 FK_API int fk_causal_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B,
                                     int64_t nh, int64_t nkv, int64_t T, int64_t dk, int64_t dv, int64_t q_sb,
                                     int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sg, int64_t k_st,

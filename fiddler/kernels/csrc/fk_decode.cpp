@@ -10,11 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "fk.h"
-
-#define FK_API extern "C" __attribute__((visibility("default")))
-
-extern "C" int fk_isa();  // fk_api.cpp: 0 generic, 1 avx2, 2 avx512_bf16 (honours FIDDLER_KERNEL_ISA)
+#include "fk_api.h"
+#include "fk_internal.h"
 
 namespace fk {
 namespace decode {
@@ -40,12 +37,6 @@ namespace avx512 {
 
 namespace {
 
-thread_local std::string g_error;
-int fail(const std::string& msg) {
-  g_error = msg;
-  return -1;
-}
-
 thread_local std::vector<float> g_scratch;
 
 }  // namespace
@@ -53,8 +44,7 @@ thread_local std::vector<float> g_scratch;
 }  // namespace fk
 
 using namespace fk::decode;
-
-FK_API const char* fk_decode_last_error() { return g_error.c_str(); }
+using fk::fail;  // the library's one error channel (fk_last_error)
 
 namespace {
 struct NormRows {
@@ -72,8 +62,8 @@ void norm_rows(const void* c, int64_t r0, int64_t r1) {
   if (int64_t(h.size()) < 2 * a.n) h.resize(size_t(2 * a.n));
   switch (a.isa) {
 #if defined(__x86_64__)
-    case 2: return avx512::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
-    case 1: return avx2::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+    case fk::kIsaAvx512: return avx512::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+    case fk::kIsaAvx2: return avx2::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
 #endif
     default: return generic::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
   }
@@ -89,7 +79,7 @@ void norm_rows(const void* c, int64_t r0, int64_t r1) {
 FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t n, float eps, uint16_t* out) {
   if (rows < 0 || n < 1) return fail("rmsnorm: rows must be >= 0 and n >= 1");
   if (!x || !w || !out) return fail("rmsnorm: null pointer");
-  const NormRows ctx{x, w, n, eps, out, fk_isa()};
+  const NormRows ctx{x, w, n, eps, out, fk::current_isa()};
   fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows, &ctx);
   return 0;
 }
@@ -112,15 +102,15 @@ int rope_attn_rows(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int6
     if (rows[b] < 0 || rows[b] >= max_batch) return fail("rope_attn_decode: cache row must be in [0, max_batch)");
   }
   const int64_t width = (nh + 2 * nkv) * d, row_elems = nkv * max_seq * d;
-  const int isa = fk_isa();
+  const int isa = fk::current_isa();
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
     const uint16_t *cr = cos + pos[b] * d, *sr = sin + pos[b] * d, *q = qkv + b * width;
     uint16_t *kc = kcache + rows[b] * row_elems, *vc = vcache + rows[b] * row_elems;
     switch (isa) {
 #if defined(__x86_64__)
-      case 2: avx512::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
-      case 1: avx2::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
+      case fk::kIsaAvx512: avx512::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
+      case fk::kIsaAvx2: avx2::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
 #endif
       default: generic::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq);
     }
@@ -150,8 +140,8 @@ int rope_attn_rows(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int6
       uint16_t* o = c.out + b * c.nh * c.d;
       switch (c.isa) {
 #if defined(__x86_64__)
-        case 2: avx512::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
-        case 1: avx2::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
+        case fk::kIsaAvx512: avx512::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
+        case fk::kIsaAvx2: avx2::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
 #endif
         default: generic::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data());
       }

@@ -178,3 +178,14 @@ class WrappedTokenizer:
     def __call__(self, text, *a, **kw):
         self._hook(text)
         return self._tok(text, *a, **kw)
+
+
+def kill_all(procs) -> None:
+    """SIGKILL each psutil.Process still alive (what a test started and must not leave behind)."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

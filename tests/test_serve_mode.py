@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from tests.server_helpers import kill_all  # noqa: E402
 from tests.test_cli import ROOT, run_py  # noqa: E402
 from tests.test_server import free_port, request  # noqa: E402
 
@@ -110,16 +111,6 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def _kill_all(procs) -> None:
-    import psutil
-
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
 def test_the_server_dies_with_run_py_even_on_sigkill(tmp_path):
     """SIGKILL of `run.py mode=serve` left the server running under PID 1, still answering, serve.json saying
     `serving`. The child now gets a parent-death signal."""
@@ -146,7 +137,7 @@ def test_the_server_dies_with_run_py_even_on_sigkill(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        _kill_all(children)
+        kill_all(children)
 
 
 def test_a_taken_port_is_refused_at_once_never_ready_for_another_server(tmp_path):
@@ -172,7 +163,7 @@ def test_a_taken_port_is_refused_at_once_never_ready_for_another_server(tmp_path
             out, err = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
-                _kill_all(_descendants(proc.pid))
+                kill_all(_descendants(proc.pid))
                 proc.kill()
                 proc.wait(10)
     finally:
@@ -202,7 +193,7 @@ def test_a_model_that_fails_to_load_is_reported_at_once_with_its_reason(tmp_path
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
-            _kill_all(_descendants(proc.pid))
+            kill_all(_descendants(proc.pid))
             proc.kill()
             proc.wait(10)
     assert "ready:" not in out

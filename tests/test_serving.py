@@ -11,6 +11,7 @@ import pytest
 from runners import tables
 from runners.serving import guidellm_command, metrics_from_guidellm
 from runners.workloads import Point, expand
+from tests.server_helpers import kill_all  # noqa: E402
 from tests.test_cli import run_py
 
 
@@ -105,16 +106,6 @@ def _procs(pids):
     return out
 
 
-def _kill_all(procs) -> None:
-    import psutil
-
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
 def test_a_load_generator_that_times_out_leaves_no_process_behind(tmp_path, monkeypatch):
     """On run.timeout_s the load generator was killed alone; its workers lived on under PID 1."""
     import subprocess
@@ -141,7 +132,7 @@ def test_a_load_generator_that_times_out_leaves_no_process_behind(tmp_path, monk
         gone, alive = psutil.wait_procs(procs, timeout=30)
         assert not alive, [(p.pid, p.cmdline()) for p in alive]
     finally:
-        _kill_all(procs)
+        kill_all(procs)
 
 
 @pytest.mark.skipif(guidellm_command() is None, reason="guidellm (the serving extra) is not installed")
@@ -192,4 +183,4 @@ def test_a_stopped_serving_run_leaves_no_process_behind(tmp_path, sig):
         if run.poll() is None:
             run.kill()
             run.wait(10)
-        _kill_all(started)
+        kill_all(started)

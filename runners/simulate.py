@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import OmegaConf
 
-from baselines.base import SystemUnavailable, one_line
+from systems.base import SystemUnavailable, one_line
 from runners import measure, records
 from runners.hardware_spec import hardware_spec
 from runners.session import Job, base_record, timing
@@ -70,7 +70,7 @@ class SimSetup:
     """Everything of a job that does not depend on the workload point: model, machine, routing, policy."""
 
     def __init__(self, job: Job):
-        from baselines.fiddler_engine.profiles import reference_popularity
+        from systems.fiddler.profiles import reference_popularity
         from fiddler.popularity import Popularity
         from fiddler.sim import Efficiency, ProfileRouting, SimContext, SimHardware, RoutingTrace, TraceRouting
         from fiddler.sim import cpu_class_of

@@ -12,8 +12,8 @@ project does not copy llama.cpp's code. So the converter is located, in this ord
    sdist (pinned: its sha256 must be SDIST_SHA256's), and only the converter files are extracted, with
    path checks (safe_tar).
 
-``python -m baselines.llama_cpp.convert --fetch`` does step 3 ahead of time (install step);
-``python -m baselines.llama_cpp.convert MODEL_DIR --quant bf16`` converts by hand.
+``python -m systems.llama_cpp.convert --fetch`` does step 3 ahead of time (install step);
+``python -m systems.llama_cpp.convert MODEL_DIR --quant bf16`` converts by hand.
 
 Outputs are cached under ``<cache_dir>/llama_cpp/gguf/<content hash>-<quant>.gguf`` where the hash
 covers every file of the checkpoint directory and the llama-cpp-python version (a different
@@ -34,8 +34,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from baselines.base import SystemUnavailable
-from baselines import safe_tar
+from systems.base import SystemUnavailable
+from systems import safe_tar
 from fiddler.integrity import file_sha256, warn_rebuild
 
 EXTRA_HINT = 'pip install -e ".[llamacpp]" (see README, "llama.cpp baseline", for the CMAKE_ARGS)'
@@ -118,7 +118,7 @@ def fetch_converter(dest: Path, version: str, quiet: bool = True) -> Path:
             except RuntimeError as exc:
                 raise SystemUnavailable(
                     f"llama.cpp's HF->GGUF converter is not available: {exc}. "
-                    f"Run `python -m baselines.llama_cpp.convert --fetch` on a machine with network and copy "
+                    f"Run `python -m systems.llama_cpp.convert --fetch` on a machine with network and copy "
                     f"{dest} here, or point FIDDLER_LLAMA_CPP_CONVERTER at a llama.cpp source tree.") from exc
             staging = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
             try:
@@ -137,7 +137,7 @@ def download_sdist(version: str, into: Path) -> Path:
     expected = SDIST_SHA256.get(version)
     if expected is None:
         raise ValueError(f"no sha256 is pinned for llama-cpp-python=={version}'s sdist (pinned: "
-                         f"{', '.join(SDIST_SHA256)}; baselines/llama_cpp/convert.py SDIST_SHA256)")
+                         f"{', '.join(SDIST_SHA256)}; systems/llama_cpp/convert.py SDIST_SHA256)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
            "--disable-pip-version-check", "-d", str(into), f"llama-cpp-python=={version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -185,7 +185,7 @@ def find_converter(converter_dir: str | os.PathLike | None = None, fetch: bool =
     if _is_converter_dir(dest):
         return dest
     if not fetch:
-        raise SystemUnavailable(f"llama.cpp converter not found at {dest}; run `python -m baselines.llama_cpp.convert --fetch`")
+        raise SystemUnavailable(f"llama.cpp converter not found at {dest}; run `python -m systems.llama_cpp.convert --fetch`")
     return fetch_converter(dest, version)
 
 

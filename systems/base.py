@@ -44,7 +44,7 @@ def check_number(key: str, value: Any, low: float = 0.0, *, above: bool = False,
 
 @dataclass
 class SystemConfig:
-    """Options of one system: the base of every `baselines/<name>/config.py` class. The runner composes
+    """Options of one system: the base of every `systems/<name>/config.py` class. The runner composes
     it from `conf/system/<name>.yaml` (types and enum values checked by Hydra, ranges by
     `__post_init__`) and hands it to the adapter as this typed object."""
 

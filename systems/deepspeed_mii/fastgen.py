@@ -15,8 +15,8 @@ from __future__ import annotations
 import queue
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, GenerationResult, SystemUnavailable, one_line
-from baselines.deepspeed_mii.common import (
+from systems.base import GenerationRequest, GenerationResult, SystemUnavailable, one_line
+from systems.deepspeed_mii.common import (
     checkpoint_bytes, enforce_gpu_budget, free_port, require, restore_env, snapshot_env,
 )
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from baselines.base import SystemConfig, check
+from systems.base import SystemConfig, check
 
 from .convert import PURE_TYPES, SUPPORTED_QUANTS
 
@@ -42,7 +42,7 @@ class LlamaCppConfig(SystemConfig):
     verbose: bool = False
     kv_cache_type: str = "f16"  # llama.cpp's default; also bf16, f32, q8_0, q4_0
     # true: llama.cpp as the paper ran it (a 2024 build with llama_beam_search), mode=simulate only
-    # (baselines/llama_cpp/original_sim.py); conf/system/llama_cpp_original.yaml
+    # (systems/llama_cpp/original_sim.py); conf/system/llama_cpp_original.yaml
     original: bool = False
     beam_prefix: str = "measured"  # original only: measured | prompt | all_but_last (the beams' common prefix)
 

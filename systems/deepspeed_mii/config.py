@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Optional
 
-from baselines.base import SystemConfig, check
+from systems.base import SystemConfig, check
 
 
 class DeepSpeedEngine(Enum):
@@ -37,7 +37,7 @@ class DeepSpeedConfig(SystemConfig):
             check(lambda: self.max_length >= 1, "system.max_length", self.max_length, "null or an integer >= 1")
 
     def sim_policy(self):
-        from baselines.base import SystemUnavailable
+        from systems.base import SystemUnavailable
 
         from .sim import ZeroInferenceSimPolicy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
+from systems.base import GenerationRequest, GenerationResult, SystemAdapter
 
 
 class EngineAdapter(SystemAdapter):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from baselines.base import SystemConfig
+from systems.base import SystemConfig
 
 
 class ExpertsImpl(Enum):
@@ -22,7 +22,7 @@ class HFTransformersConfig(SystemConfig):
     experts_implementation: ExpertsImpl = ExpertsImpl.auto
 
     def sim_policy(self):
-        from baselines.base import SystemUnavailable
+        from systems.base import SystemUnavailable
 
         raise SystemUnavailable(
             "hf_transformers has no simulation model: the Fiddler paper does not compare with it, and how "

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from baselines.base import check
-from baselines.engine_config import EngineSystemConfig
+from systems.base import check
+from systems.engine_config import EngineSystemConfig
 
 #: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo
 #: offloads 4-6 of Mixtral's 8 experts per layer; 2 resident of 8 is the "offload 6" setting.
@@ -43,7 +43,7 @@ class MixtralOffloadingConfig(EngineSystemConfig):
               "an integer >= 1")
 
     def sim_policy(self):
-        from baselines.base import SystemUnavailable
+        from systems.base import SystemUnavailable
 
         from .sim import MixtralOffloadingSimPolicy
 

@@ -4,7 +4,7 @@ The code the paper ran is efeslab/fiddler main at 227715b (`src/fiddler/mixtral.
 paper's abstract links (https://github.com/efeslab/fiddler) and it was reverted to this pure-PyTorch version
 on 2024-04-18 ("reverse main branch to pure python version", efeslab/fiddler@2b6551a); the `cppExpert` branch
 holds the C++ AVX512-BF16 expert that main does not call, and `batched_baseline` holds the baselines' runs.
-Every choice below is a `Cited` parameter in PARAMS (baselines/citations.py); `system=fiddler_paper` is the
+Every choice below is a `Cited` parameter in PARAMS (systems/citations.py); `system=fiddler_paper` is the
 paper's rule in this project's engine, `system=fiddler` the project's planner.
 
 What one MoE layer costs (mixtral_forward, #L476-648), one thing at a time on one timeline:
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from baselines.citations import Cited
+from systems.citations import Cited
 from fiddler.sim import SimContext, SimPolicy, Step
 from fiddler.sim.fiddler_policy import ATTENTION_LAUNCHES
 
@@ -108,7 +108,7 @@ class FiddlerOriginalSimPolicy(SimPolicy):
     name = "fiddler_original"
 
     def setup(self, ctx: SimContext) -> None:
-        from baselines.base import SystemUnavailable
+        from systems.base import SystemUnavailable
         from fiddler.popularity import Popularity
 
         if not ctx.has_gpu:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from baselines.base import SystemConfig, check, check_number
+from systems.base import SystemConfig, check, check_number
 
 
 @dataclass

@@ -7,7 +7,7 @@ llama_backend_init. So the flags are read off the CPU, through the same CPUID de
 project's kernel library (its fk_feature CPUID/XCR0 checks, which also answer under an emulated CPU),
 and AMX is always off.
 
-    CMAKE_ARGS="$(python -m baselines.llama_cpp.build_flags)" pip install llama-cpp-python
+    CMAKE_ARGS="$(python -m systems.llama_cpp.build_flags)" pip install llama-cpp-python
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Which build: the Fiddler repository names none (its README and benchmarks/README
 list only DeepSpeed-MII and Mixtral-Offloading), and the paper's setup text was not readable here. A beam search
 in llama.cpp in 2024 was `llama_beam_search` (examples/beam-search), removed on 2024-06-04 (ggml-org/llama.cpp
 0cd6bd3, "llama : remove beam search"); the build modelled is its parent, 5ca0944, the last one with it. Placement
-and kernels are today's llama_cpp policy (baselines/llama_cpp/sim.py): -ngl whole layers that fit the budget,
+and kernels are today's llama_cpp policy (systems/llama_cpp/sim.py): -ngl whole layers that fit the budget,
 llama.cpp's CPU factors, scaled by what that build's F16 kernels do against today's bf16 ones (measured,
 PARAMS): its CUDA backend converts no BF16 tensor, so its 16-bit weights were F16. Since 2024-03-18 (2bf8d0f,
 "backend : offload large batches to GPU") the CUDA backend offloads an op with host weights to the GPU when its
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from baselines.citations import Cited
+from systems.citations import Cited
 from fiddler.sim import Step
 
 from .sim import OFFLOAD_MIN_BATCH, LlamaCppSimPolicy

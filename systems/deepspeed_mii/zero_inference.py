@@ -18,8 +18,8 @@ import gc
 import os
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, GenerationResult, SystemUnavailable, one_line
-from baselines.deepspeed_mii.common import enforce_gpu_budget, require, single_process_env
+from systems.base import GenerationRequest, GenerationResult, SystemUnavailable, one_line
+from systems.deepspeed_mii.common import enforce_gpu_budget, require, single_process_env
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}

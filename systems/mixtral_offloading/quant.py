@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from baselines.base import SystemUnavailable
+from systems.base import SystemUnavailable
 from fiddler.executors import ExpertWeights, torch_expert
 
 EXPERT_BITS, EXPERT_GROUP = 2, 16

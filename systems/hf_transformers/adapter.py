@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
+from systems.base import GenerationRequest, GenerationResult, SystemAdapter
 
 # preference order for `experts_implementation=auto`
 _FASTEST_FIRST = ("grouped_mm", "eager")
@@ -20,7 +20,7 @@ class HFTransformersAdapter(SystemAdapter):
 
         from transformers.utils.import_utils import is_serve_available
 
-        from baselines.base import SystemUnavailable
+        from systems.base import SystemUnavailable
 
         exe = shutil.which("transformers")
         if exe is None or not is_serve_available():

@@ -1,10 +1,10 @@
 """`system=mixtral_offloading`: fiddler's engine running the Mixtral-Offloading policy
-(baselines/mixtral_offloading/executor.py) behind the common adapter interface."""
+(systems/mixtral_offloading/executor.py) behind the common adapter interface."""
 from __future__ import annotations
 
 from typing import Any
 
-from baselines.engine_adapter import EngineAdapter
+from systems.engine_adapter import EngineAdapter
 
 from .config import MixtralOffloadingConfig
 
@@ -17,7 +17,7 @@ class MixtralOffloadingAdapter(EngineAdapter):
 
         c = self.config
         if c.original_swap:
-            from baselines.base import SystemUnavailable
+            from systems.base import SystemUnavailable
 
             raise SystemUnavailable("system.original_swap=true models the original repository's expert swap in "
                                     "mode=simulate only; this executor keeps host copies and never writes back")

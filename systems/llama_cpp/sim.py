@@ -1,6 +1,6 @@
 """llama.cpp's placement and execution on the simulator's clock (mode=simulate).
 
-Placement is baselines/llama_cpp/layers.py, the same function execute mode uses: `-ngl` as many whole
+Placement is systems/llama_cpp/layers.py, the same function execute mode uses: `-ngl` as many whole
 layers as fit the GPU budget (the last ones; the output layer once every decoder layer is on), or with
 `n_cpu_moe=-1` every layer on the GPU except the expert FFNs of the first N layers (`--n-cpu-moe`).
 Execution, one thing at a time (llama.cpp runs its graph in order, no CPU/GPU overlap):

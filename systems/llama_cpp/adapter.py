@@ -4,7 +4,7 @@ The run's Hugging Face checkpoint is converted to GGUF with llama.cpp's converte
 by the checkpoint's content hash and the quant type), loaded through llama.cpp's C API, and fed
 the request's token ids directly (no re-tokenising). Greedy decoding produces exactly
 ``max_new_tokens`` argmax tokens (end-of-sequence is an ordinary token); ``beam_width > 1`` runs
-:func:`baselines.llama_cpp.beam.beam_search` on llama.cpp's KV-cache sequences.
+:func:`systems.llama_cpp.beam.beam_search` on llama.cpp's KV-cache sequences.
 
 Options (``conf/system/llama_cpp.yaml``):
 
@@ -15,11 +15,11 @@ Options (``conf/system/llama_cpp.yaml``):
   ``quantize_output_tensor=False``, ``token_embedding_type=BF16``) or ``llama`` (llama.cpp's own mix);
 - ``n_gpu_layers``: layers offloaded to the GPU (llama.cpp's ``-ngl``; -1 = all). Needs a GPU build
   of llama-cpp-python. null (the default) derives it from the GPU budget on a CUDA machine, as many
-  whole layers as fit, as the Fiddler paper ran it (:func:`baselines.llama_cpp.layers.gpu_layers`,
+  whole layers as fit, as the Fiddler paper ran it (:func:`systems.llama_cpp.layers.gpu_layers`,
   the same function the simulator's llama.cpp policy uses); 0 without CUDA;
 - ``n_cpu_moe``: keep the expert FFN tensors of the first N layers in host memory (llama.cpp's
   ``--n-cpu-moe``), implemented with ``tensor_buft_overrides``; -1 = every layer on the GPU and N as
-  small as the GPU budget allows (on CUDA; :func:`baselines.llama_cpp.layers.cpu_moe_layers`);
+  small as the GPU budget allows (on CUDA; :func:`systems.llama_cpp.layers.cpu_moe_layers`);
 - ``n_ctx``: KV-cache cells; null = 4096 (at most the training context), grown (context rebuilt,
   ``stats.context_rebuilt``) when a request needs more (prompt + beams x new tokens);
 - ``n_batch``: prompt tokens per ``llama_decode`` (also the micro-batch);
@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from baselines.base import (
+from systems.base import (
     GenerationRequest,
     GenerationResult,
     SystemAdapter,
@@ -125,7 +125,7 @@ class LlamaCppAdapter(SystemAdapter):
         """(-ngl, --n-cpu-moe, where they came from). system.n_gpu_layers when set; else, on a CUDA
         machine, as many whole layers as the GPU budget holds; with system.n_cpu_moe=-1, every layer on
         the GPU and the expert FFNs of as few first layers as the budget needs in host memory
-        (baselines/llama_cpp/layers.py, shared with the simulator); without CUDA nothing is offloaded."""
+        (systems/llama_cpp/layers.py, shared with the simulator); without CUDA nothing is offloaded."""
         c = self.config
         derive_moe = c.n_cpu_moe == -1
         if c.n_gpu_layers is not None and not derive_moe:
@@ -244,7 +244,7 @@ class LlamaCppAdapter(SystemAdapter):
             out["supports_gpu_offload"] = bool(self._lc.llama_supports_gpu_offload())
         if self.llm is not None:
             out.update(self.llm.describe())
-        out["beam_search"] = "baselines.llama_cpp.beam (llama_memory_seq_cp per beam, unified KV cache)"
+        out["beam_search"] = "systems.llama_cpp.beam (llama_memory_seq_cp per beam, unified KV cache)"
         out["tokens"] = "request token ids fed directly (no re-tokenising); EOS ignored"
         return out
 

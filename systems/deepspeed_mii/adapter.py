@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, GenerationResult, SystemAdapter, SystemUnavailable
-from baselines.deepspeed_mii.common import INSTALL_HINT, versions
-from baselines.deepspeed_mii.config import DeepSpeedConfig, DeepSpeedEngine
+from systems.base import GenerationRequest, GenerationResult, SystemAdapter, SystemUnavailable
+from systems.deepspeed_mii.common import INSTALL_HINT, versions
+from systems.deepspeed_mii.config import DeepSpeedConfig, DeepSpeedEngine
 
 
 
@@ -35,7 +35,7 @@ class DeepSpeedAdapter(SystemAdapter):
     def load(self) -> None:
         c = self.config
         if c.engine is DeepSpeedEngine.zero_offload:
-            from baselines.deepspeed_mii.zero_inference import ZeroInferenceEngine
+            from systems.deepspeed_mii.zero_inference import ZeroInferenceEngine
 
             self.impl = ZeroInferenceEngine(
                 self.model.path, self.model.dtype, threads=self.ctx.threads, has_cuda=self.ctx.has_cuda,
@@ -44,7 +44,7 @@ class DeepSpeedAdapter(SystemAdapter):
                 gpu_memory_gb=self.ctx.gpu_memory_gb,
             )
         else:
-            from baselines.deepspeed_mii.fastgen import FastGenEngine
+            from systems.deepspeed_mii.fastgen import FastGenEngine
 
             if self.model.dtype == "float32":
                 raise SystemUnavailable("engine=mii: DeepSpeed-MII FastGen runs fp16/bf16 checkpoints only "
@@ -73,7 +73,7 @@ class DeepSpeedAdapter(SystemAdapter):
         out: dict[str, Any] = {"engine": self.config.engine.value, "options": self.config.to_dict(),
                                "versions": versions(), "install": INSTALL_HINT}
         if zero:
-            from baselines.deepspeed_mii.zero_inference import ZeroInferenceEngine
+            from systems.deepspeed_mii.zero_inference import ZeroInferenceEngine
 
             out["recipe"] = ("ZeRO-Inference: HfDeepSpeedConfig + from_pretrained (zero.Init), set_z3_leaf_modules("
                              "MoE block), deepspeed.initialize(ZeRO-3, offload_param), transformers generate "

@@ -1,7 +1,7 @@
 """`system=fiddler`: the project's own engine (fiddler/) with Fiddler's executor."""
 from __future__ import annotations
 
-from baselines.engine_adapter import EngineAdapter
+from systems.engine_adapter import EngineAdapter
 
 from .config import FiddlerConfig
 
@@ -16,7 +16,7 @@ class FiddlerAdapter(EngineAdapter):
 
         c = self.config
         if c.original:
-            from baselines.base import SystemUnavailable
+            from systems.base import SystemUnavailable
 
             raise SystemUnavailable("system.original=true models the released Fiddler (efeslab/fiddler@227715b) in "
                                     "mode=simulate only; execute mode runs this project's engine")
@@ -33,11 +33,11 @@ class FiddlerAdapter(EngineAdapter):
 
         c = self.config
         if c.original:
-            from baselines.base import SystemUnavailable
+            from systems.base import SystemUnavailable
 
             raise SystemUnavailable("system=fiddler_original models the released code in mode=simulate; it has no server")
         if c.overlap is not None or c.record_routing:
-            from baselines.base import SystemUnavailable
+            from systems.base import SystemUnavailable
 
             raise SystemUnavailable("fiddler.server takes neither system.overlap nor system.record_routing")
         gb = c.gpu_budget_gb if c.gpu_budget_gb is not None else self.ctx.gpu_memory_gb

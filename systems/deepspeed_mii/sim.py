@@ -42,7 +42,7 @@ class ZeroInferenceSimPolicy(SimPolicy):
             need = sum(reservation(c, ctx.dtype, ctx.max_seq_len, ctx.max_batch).values()) \
                 + c.num_layers * c.num_experts * ctx.costs.expert_bytes
             if need > ctx.gpu_budget_bytes:
-                from baselines.base import SystemUnavailable
+                from systems.base import SystemUnavailable
 
                 raise SystemUnavailable(f"DeepSpeed-MII FastGen keeps the whole model in GPU memory: "
                                         f"{need / 2**30:.1f} GiB needed, the GPU budget is "

@@ -6,7 +6,7 @@ import socket
 from importlib import metadata
 from typing import Any
 
-from baselines.base import SystemUnavailable
+from systems.base import SystemUnavailable
 
 INSTALL_HINT = 'pip install -e ".[mii]"'
 # the environment variables torch.distributed's env:// rendezvous reads

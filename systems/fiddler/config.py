@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from baselines.base import ConfigError, check
-from baselines.engine_config import EngineSystemConfig
+from systems.base import ConfigError, check
+from systems.engine_config import EngineSystemConfig
 
 
 class Planner(Enum):
@@ -31,7 +31,7 @@ class FiddlerConfig(EngineSystemConfig):
     # (fiddler.quant), like for like with system=llama_cpp's quant of the same type (quant_policy: pure)
     quant: Optional[str] = None
     # true: the released Fiddler as the paper ran it (efeslab/fiddler@227715b), mode=simulate only
-    # (baselines/fiddler_engine/original_sim.py); conf/system/fiddler_original.yaml
+    # (systems/fiddler/original_sim.py); conf/system/fiddler_original.yaml
     original: bool = False
 
     def __post_init__(self) -> None:

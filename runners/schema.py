@@ -391,11 +391,8 @@ def validate(cfg: DictConfig) -> Config:
 
 
 def simulated_gpu_budget(conf: Config) -> tuple[float, str]:
-    """(GB, key): the GPU budget mode=simulate gives the system (runners.simulate.gpu_budget)."""
-    budget = getattr(conf.system, "gpu_budget_gb", None)
-    if budget is not None:
-        return budget, "system.gpu_budget_gb"
-    return conf.environment.gpu.memory_gb, "environment.gpu.memory_gb"
+    """(GB, key): the GPU budget mode=simulate gives the system (systems.base.gpu_budget)."""
+    return conf.system.gpu_budget(conf.environment.gpu.memory_gb)
 
 
 def check_simulation(conf: Config) -> None:

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from systems.base import SystemUnavailable, one_line
+from systems import base as systems_base
 from runners import measure, records
 from runners.hardware_spec import hardware_spec
 from runners.session import Job, base_record, timing
@@ -48,11 +49,8 @@ def card_memory_gb(env: dict[str, Any]) -> float | None:
 
 
 def gpu_budget(config: dict[str, Any]) -> tuple[float, str]:
-    """(GB, where it came from): system.gpu_budget_gb where the system has it set, else the environment's."""
-    sys_budget = (config.get("system") or {}).get("gpu_budget_gb")
-    if sys_budget is not None:
-        return float(sys_budget), "system.gpu_budget_gb"
-    return float(config["environment"]["gpu"].get("memory_gb") or 0), "environment.gpu.memory_gb"
+    """(GB, where it came from): systems.base.gpu_budget of the job's plain config."""
+    return systems_base.gpu_budget(config.get("system") or {}, config["environment"]["gpu"].get("memory_gb"))
 
 
 def budget_info(config: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,10 @@ class SystemConfig:
         """Raise ConfigError, naming the key, where these options cannot run `model` (checked at start in
         both modes). model_config() gives its fiddler.config.MoEConfig; call it only when needed."""
 
+    def gpu_budget(self, env_gb: float) -> tuple[float, str]:
+        """The GPU budget this system asks for, in GiB, and the key it came from (`gpu_budget`)."""
+        return gpu_budget(self, env_gb)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their values), for records."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -86,6 +90,18 @@ def _plain(v):
     if isinstance(v, list):
         return [_plain(x) for x in v]
     return v
+
+
+def gpu_budget(system: Any, env_gb: float | None) -> tuple[float, str]:
+    """The harness's one rule for which GPU budget a job asks for: (GiB, the key it came from), the system's
+    `gpu_budget_gb` where it has one set, else the environment's `gpu.memory_gb`. `system`: a SystemConfig or
+    its plain dict. What a budget means (0 = no GPU; without CUDA one > 0 is emulated) is the library's rule,
+    fiddler.gpu_side.GpuSide.for_budget_gb: execute mode builds the GPU side with it, and mode=simulate
+    simulates a GPU of that size where it is > 0."""
+    own = system.get("gpu_budget_gb") if isinstance(system, dict) else getattr(system, "gpu_budget_gb", None)
+    if own is not None:
+        return float(own), "system.gpu_budget_gb"
+    return float(env_gb or 0), "environment.gpu.memory_gb"
 
 
 def one_line(exc: BaseException) -> str:

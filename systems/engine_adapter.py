@@ -19,23 +19,18 @@ class EngineAdapter(SystemAdapter):
         """The policy: a fiddler.executors.ExecutorFactory built from this system's options."""
 
     def gpu_side(self):
-        """(fiddler.gpu_side.GpuSide, where its budget came from). system.gpu_budget_gb, else the
-        environment's GPU memory; without CUDA a budget > 0 is emulated (the GPU side is the CPU device,
-        so the orchestration runs as it would on a card of that size)."""
+        """(fiddler.gpu_side.GpuSide, where its budget came from): the budget of systems.base.gpu_budget, as
+        the library reads it (GpuSide.for_budget_gb: 0 = no GPU; without CUDA a budget > 0 is emulated, the
+        GPU side is the CPU device, so the orchestration runs as it would on a card of that size)."""
         from fiddler.gpu_side import GpuSide
 
-        gb = self.config.gpu_budget_gb
-        source = "system.gpu_budget_gb"
-        if gb is None:
-            gb, source = self.ctx.gpu_memory_gb, "environment.gpu.memory_gb"
-        if gb and gb > 0:
-            budget = int(gb * 2**30)
-            if self.ctx.has_cuda:
-                return GpuSide.cuda(budget), f"{source}={gb:g} GB"
-            return GpuSide.emulated(budget), f"{source}={gb:g} GB, emulated: the GPU side is the CPU device"
-        if self.ctx.has_cuda:
-            return GpuSide.cuda(), "engine default (free CUDA memory)"
-        return GpuSide.none(), "none (no GPU)"
+        gb, source = self.config.gpu_budget(self.ctx.gpu_memory_gb)
+        gpu = GpuSide.for_budget_gb(gb)
+        if not gpu.has_gpu:
+            return gpu, f"none ({source}={gb:g})"
+        if gpu.is_cuda:
+            return gpu, f"{source}={gb:g} GB"
+        return gpu, f"{source}={gb:g} GB, emulated: the GPU side is the CPU device"
 
     @property
     def weight_quant(self) -> str | None:

@@ -40,7 +40,7 @@ class FiddlerAdapter(EngineAdapter):
             from systems.base import SystemUnavailable
 
             raise SystemUnavailable("fiddler.server takes neither system.overlap nor system.record_routing")
-        gb = c.gpu_budget_gb if c.gpu_budget_gb is not None else self.ctx.gpu_memory_gb
+        gb, _ = c.gpu_budget(self.ctx.gpu_memory_gb)  # the server reads it with GpuSide.for_budget_gb
         cmd = [sys.executable, "-m", "fiddler.server", "--model", self.model.path, "--served-model-name",
                self.model.name, "--host", serve.host, "--port", str(serve.port), "--slots", str(serve.slots),
                "--max-queue", str(serve.max_queue), "--token-budget", str(serve.token_budget),

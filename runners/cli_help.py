@@ -11,7 +11,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from systems import paths
+
+CONF = paths.conf_dir()
 GROUPS = ("system", "model", "workload", "environment")
 
 MODES = (

@@ -18,11 +18,12 @@ from omegaconf import OmegaConf
 
 from systems.base import SystemUnavailable, one_line
 from systems import base as systems_base
+from systems import paths
 from runners import measure, records
 from runners.hardware_spec import hardware_spec
 from runners.session import Job, base_record, timing
 
-CONF_DIR = records.PROJECT_ROOT / "conf"
+CONF_DIR = paths.conf_dir()
 
 
 def model_config(arch: dict[str, Any]):

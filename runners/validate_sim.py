@@ -30,10 +30,11 @@ from typing import Any
 from fiddler.sim.efficiency import cpu_class_of
 from runners import table_format
 from runners.records import PROJECT_ROOT
+from systems import paths
 
-CONF = PROJECT_ROOT / "conf"
-ADA = PROJECT_ROOT / "results" / "reference" / "baseline-runs" / "ada6000"
-PAPER_CSV = PROJECT_ROOT / "results" / "reference" / "paper" / "paper-reported.csv"
+CONF = paths.conf_dir()
+ADA = paths.reference_dir() / "baseline-runs" / "ada6000"
+PAPER_CSV = paths.reference_dir() / "paper" / "paper-reported.csv"
 BOUNDS = {"host_decode": 0.20, "host_ttft": 0.30, "ada_decode": 0.30, "ada_ttft": 0.30}
 # The check's four systems (it decides the exit status): the paper's rule on this project's engine, today's
 # llama.cpp, Mixtral-Offloading's released code (on-demand swaps, no prefetch), ZeRO-Inference

@@ -7,11 +7,11 @@ layer to expert shares and averaged over the subjects, so no subject weighs more
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from fiddler.popularity import Popularity
+from systems import paths
 
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "reference"
+REFERENCE_DIR = paths.reference_dir()
 PROFILES = {"mixtral_8x7b": REFERENCE_DIR / "mixtral-8x7b" / "expert-popularity" / "original"}
 
 
@@ -28,6 +28,6 @@ def reference_popularity(model_name: str) -> Popularity | None:
     L, E = profiles[0].shape
     mean = [[sum(p.shares()[l][e] for p in profiles) / len(profiles) for e in range(E)] for l in range(L)]
     return Popularity(mean, top_k=profiles[0].top_k,
-                      meta={"source": f"{folder.relative_to(REFERENCE_DIR.parents[1])}/*.json (mean of "
+                      meta={"source": f"results/reference/{folder.relative_to(REFERENCE_DIR)}/*.json (mean of "
                                       f"{len(files)} subjects' per-layer shares)",
                             "subjects": [f.stem for f in files]})

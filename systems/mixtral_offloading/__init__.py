@@ -10,6 +10,10 @@ __all__ = ["DEFAULT_CACHE_SIZE", "MixtralOffloadingPolicy", "OffloadingExecutor"
 def __getattr__(name: str):
     # Lazy: the harness imports this package's config.py at start-up (runners/schema.py), and the
     # executor pulls in torch; a resumed run with nothing left to do should not pay for it.
+    if name in ("DEFAULT_CACHE_SIZE", "derive_cache_size"):
+        from . import cache
+
+        return getattr(cache, name)
     if name in __all__:
         from . import executor
 

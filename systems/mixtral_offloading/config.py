@@ -8,9 +8,7 @@ from typing import Optional
 from systems.base import check
 from systems.engine_config import EngineSystemConfig
 
-#: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo
-#: offloads 4-6 of Mixtral's 8 experts per layer; 2 resident of 8 is the "offload 6" setting.
-DEFAULT_CACHE_SIZE = 2
+from .cache import DEFAULT_CACHE_SIZE
 
 
 class PrefetchInput(Enum):

@@ -36,9 +36,9 @@ import torch
 from fiddler.executors import (COPY, GPU, BuildContext, CopyIn, ExpertExecutor, ExpertGroups, ExpertWeights, GpuSide,
                                SlotOutputs, StatsBase, kind_counter, torch_expert)
 from fiddler.model import rms_norm
-from fiddler.placement import reservation
 
-from .config import DEFAULT_CACHE_SIZE, PrefetchInput
+from .cache import DEFAULT_CACHE_SIZE, choose_cache_size, initial_residents
+from .config import PrefetchInput
 
 PREFETCH_INPUTS = tuple(p.value for p in PrefetchInput)
 
@@ -68,24 +68,6 @@ class DenseExpertCodec:
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-# ---------------------------------------------------------------------------- cache size
-
-def derive_cache_size(config, dtype: torch.dtype, budget_bytes: int, *, max_seq_len: int, max_batch: int,
-                      expert_bytes: int | None = None) -> tuple[int, dict[str, Any]]:
-    """Experts per layer that fit in `budget_bytes`: (budget - non-expert weights - KV cache - activations)
-    / (layers * expert bytes), clamped to [1, num_experts]. Misses are copied straight into the evicted
-    slot, so there are no separate copy buffers to reserve (fiddler's reservation counts two)."""
-    res = reservation(config, dtype, max_seq_len, max_batch)
-    for part in ("expert_copy_buffers", "unpack_scratch"):  # fiddler's copy-in path, not this policy's
-        res.pop(part, None)
-    eb = int(expert_bytes if expert_bytes is not None else config.expert_bytes(dtype))
-    free = budget_bytes - sum(res.values())
-    per_layer = free // (config.num_layers * eb) if free > 0 else 0
-    size = int(max(1, min(config.num_experts, per_layer)))
-    return size, {"budget_bytes": int(budget_bytes), "reserved_bytes": res, "expert_bytes": eb,
-                  "fits_per_layer": int(per_layer), "clamped": size != per_layer}
 
 
 # ---------------------------------------------------------------------------- stats
@@ -200,7 +182,7 @@ class OffloadingExecutor(ExpertExecutor):
         self.lru: list[OrderedDict[int, int]] = []
         for l in range(L):
             od: OrderedDict[int, int] = OrderedDict()
-            for s, e in enumerate(range(E - cache_size, E)):
+            for s, e in enumerate(initial_residents(E, cache_size)):
                 for dst, src in zip(self.slots[l][s], self.host[l][e]):
                     dst.copy_(src)
                 od[e] = s
@@ -396,22 +378,6 @@ class OffloadingExecutor(ExpertExecutor):
 
 
 # ---------------------------------------------------------------------------- factory + engine
-
-def choose_cache_size(config, dtype: torch.dtype, *, cache_size: int | None, gpu_budget_bytes: int | None,
-                      budget_source: str, max_seq_len: int, max_batch: int, expert_bytes: int,
-                      default: int = DEFAULT_CACHE_SIZE) -> tuple[int, str, dict]:
-    """cache_size option > derived from the GPU budget > `default`; returns (size, how chosen, detail)."""
-    E = config.num_experts
-    if cache_size is not None:
-        if not 1 <= int(cache_size) <= E:
-            raise ValueError(f"cache_size={cache_size} is invalid: experts per layer in [1, {E}]")
-        return int(cache_size), "option cache_size", {}
-    if gpu_budget_bytes is not None:
-        size, detail = derive_cache_size(config, dtype, gpu_budget_bytes, max_seq_len=max_seq_len,
-                                         max_batch=max_batch, expert_bytes=expert_bytes)
-        return size, f"derived from the GPU budget ({budget_source})", detail
-    return min(int(default), E), f"default {default} per layer (no cache_size option and no GPU budget)", {}
-
 
 @dataclass(frozen=True)
 class MixtralOffloadingPolicy:

@@ -29,7 +29,7 @@ from fiddler.executors import COPY, GPU, kind_counter
 from fiddler.sim import SimContext, SimPolicy, Step
 from fiddler.sim.fiddler_policy import ATTENTION_LAUNCHES
 
-from .executor import choose_cache_size
+from .cache import choose_cache_size, initial_residents
 
 
 class MixtralOffloadingSimPolicy(SimPolicy):
@@ -63,8 +63,9 @@ class MixtralOffloadingSimPolicy(SimPolicy):
 
     def _caches(self, ctx: SimContext) -> None:
         E = ctx.config.num_experts
-        # the original keeps the layer's last experts at load time; least recently used = lowest id
-        self.lru = [OrderedDict((e, 0.0) for e in range(E - self.cache_size, E)) for _ in range(ctx.config.num_layers)]
+        # least recently used first (cache.initial_residents)
+        self.lru = [OrderedDict((e, 0.0) for e in initial_residents(E, self.cache_size))
+                    for _ in range(ctx.config.num_layers)]
         self.prefetched = [set() for _ in range(ctx.config.num_layers)]
 
     def _evict(self, layer: int) -> float:

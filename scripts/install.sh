@@ -45,8 +45,8 @@ EOF
   fi
 fi
 
-step "the project with its dev, offloading, server and serving extras (compiles the CPU kernel)"
-pip install -e ".[dev,offloading,server,serving]"
+step "the project with its dev, offloading, server, serving and cluster extras (compiles the CPU kernel)"
+pip install -e ".[dev,offloading,server,serving,cluster]"
 
 if [ -z "${CMAKE_ARGS:-}" ]; then
   CMAKE_ARGS="$(python -m systems.llama_cpp.build_flags)"

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from systems.base import SystemUnavailable, one_line
 from systems import base as systems_base
 from systems import paths
-from runners import measure, records
+from runners import measure
 from runners.hardware_spec import hardware_spec
 from runners.session import Job, base_record, timing
 
@@ -69,7 +69,7 @@ class SimSetup:
     """Everything of a job that does not depend on the workload point: model, machine, routing, policy."""
 
     def __init__(self, job: Job):
-        from systems.fiddler.profiles import reference_popularity
+        from systems.fiddler.profiles import placement_popularity, reference_popularity
         from fiddler.popularity import Popularity
         from fiddler.sim import Efficiency, ProfileRouting, SimContext, SimHardware, RoutingTrace, TraceRouting
         from fiddler.sim import cpu_class_of
@@ -93,7 +93,7 @@ class SimSetup:
         reference = reference_popularity(model["name"])
         if reference is not None:
             reference.check_shape(self.config)
-        placement_pop = (cfg["system"].get("popularity_profile") or reference)
+        placement_pop = placement_popularity(cfg["system"].get("popularity_profile"), model["name"])
         self.placement_popularity = Popularity.for_config(self.config, placement_pop)
         routing = sim["routing"]
         if routing == "auto":

@@ -12,7 +12,7 @@ class FiddlerAdapter(EngineAdapter):
     def executor_factory(self):
         from fiddler.executors import FiddlerPolicy
 
-        from .profiles import reference_popularity
+        from .profiles import placement_popularity
 
         c = self.config
         if c.original:
@@ -20,8 +20,7 @@ class FiddlerAdapter(EngineAdapter):
 
             raise SystemUnavailable("system.original=true models the released Fiddler (efeslab/fiddler@227715b) in "
                                     "mode=simulate only; execute mode runs this project's engine")
-        # no profile given: the model's real routing statistics where the project has them
-        popularity = c.popularity_profile or reference_popularity(self.model.name)
+        popularity = placement_popularity(c.popularity_profile, self.model.name)
         return FiddlerPolicy(placement=c.placement.value, popularity=popularity, planner=c.planner.value,
                              overlap=c.overlap)
 
@@ -29,7 +28,7 @@ class FiddlerAdapter(EngineAdapter):
         """fiddler.server with this system's options (placement, planner, profile, quant, GPU budget)."""
         import sys
 
-        from .profiles import reference_popularity
+        from .profiles import placement_popularity
 
         c = self.config
         if c.original:
@@ -48,11 +47,11 @@ class FiddlerAdapter(EngineAdapter):
                "--drain-timeout", f"{serve.drain_timeout_s:g}", "--gpu-budget-gb", f"{gb:g}",
                "--cpu-threads", str(c.cpu_threads or self.ctx.threads), "--planner", c.planner.value,
                "--placement", c.placement.value]
-        popularity = c.popularity_profile
-        reference = None if popularity else reference_popularity(self.model.name)
-        if reference is not None:  # the model's reference profile (a mean of several), as a file for the server
+        popularity = placement_popularity(c.popularity_profile, self.model.name)
+        if popularity is not None and not isinstance(popularity, str):  # the reference (a mean), as a file
             from pathlib import Path
 
+            reference = popularity
             popularity = Path(self.ctx.cache_dir) / "serve" / f"{self.model.name}-reference-popularity.json"
             popularity.parent.mkdir(parents=True, exist_ok=True)
             reference.save(popularity)

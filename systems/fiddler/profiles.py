@@ -15,6 +15,13 @@ REFERENCE_DIR = paths.reference_dir()
 PROFILES = {"mixtral_8x7b": REFERENCE_DIR / "mixtral-8x7b" / "expert-popularity" / "original"}
 
 
+def placement_popularity(profile: str | None, model_name: str) -> str | Popularity | None:
+    """The popularity Fiddler places experts by, the one rule execute mode, mode=serve and mode=simulate
+    follow: `system.popularity_profile` (a JSON file) where given, else the model's reference profile, else
+    None (uniform)."""
+    return profile or reference_popularity(model_name)
+
+
 @functools.lru_cache(maxsize=None)
 def reference_popularity(model_name: str) -> Popularity | None:
     """The model's reference profile, or None when the project has none for it."""

@@ -6,10 +6,12 @@ resolve a different torch than the installed one), no -march=native (each ISA fi
 target with `#pragma GCC target`, and the library picks a path at run time from CPUID).
 """
 import glob
+import os
 import shutil
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 # Every source and header of csrc/, no hand-kept list: a new file is built (and a changed header rebuilds
 # everything) without an edit here. Sorted, so the link order does not depend on the file system.
@@ -39,6 +41,18 @@ class BuildKernels(build_ext):
         return []  # a ctypes library, not a Python module: there is no PyInit_ symbol
 
 
+# conf/ and results/reference/ travel in the wheel as systems/_data/ (systems/paths.py reads them there when no
+# checkout is around the code), so an installed harness runs from any directory
+SHIPPED = {"conf": "systems/_data/conf", "results/reference": "systems/_data/reference"}
+
+
+class BuildPy(build_py):
+    def run(self):
+        super().run()
+        for src, dst in SHIPPED.items():
+            shutil.copytree(src, os.path.join(self.build_lib, dst), dirs_exist_ok=True)
+
+
 setup(
     ext_modules=[
         Extension(
@@ -50,5 +64,5 @@ setup(
             extra_link_args=["-pthread"],
         )
     ],
-    cmdclass={"build_ext": BuildKernels},
+    cmdclass={"build_ext": BuildKernels, "build_py": BuildPy},
 )

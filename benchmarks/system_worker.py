@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 ADAPTERS = {
-    "fiddler": ("baselines.fiddler_engine.adapter", "FiddlerAdapter", "baselines.fiddler_engine.config", "FiddlerConfig"),
-    "hf_transformers": ("baselines.hf_transformers.adapter", "HFTransformersAdapter",
-                        "baselines.hf_transformers.config", "HFTransformersConfig"),
-    "llama_cpp": ("baselines.llama_cpp.adapter", "LlamaCppAdapter", "baselines.llama_cpp.config", "LlamaCppConfig"),
+    "fiddler": ("systems.fiddler.adapter", "FiddlerAdapter", "systems.fiddler.config", "FiddlerConfig"),
+    "hf_transformers": ("systems.hf_transformers.adapter", "HFTransformersAdapter",
+                        "systems.hf_transformers.config", "HFTransformersConfig"),
+    "llama_cpp": ("systems.llama_cpp.adapter", "LlamaCppAdapter", "systems.llama_cpp.config", "LlamaCppConfig"),
 }
 
 
@@ -30,7 +30,7 @@ def _adapter_class(name: str):
 
 def _serve(conn, name: str, model: dict, ctx: dict) -> None:
     try:
-        from baselines.base import GenerationRequest, ModelSpec, RunContext
+        from systems.base import GenerationRequest, ModelSpec, RunContext
 
         adapter_cls, config_cls = _adapter_class(name)
         adapter = adapter_cls(config_cls.build(), ModelSpec(**model), RunContext(**ctx))

@@ -89,7 +89,7 @@ def require_pinned(what: str, tensors) -> None:
 # Packages whose objects the walk enters (their attributes): the engine's and the policies' own objects.
 # torch modules are entered too (parameters, buffers, submodules); anything else (library objects, modules,
 # lazy mappings that import on access) is a leaf.
-WALKED_PACKAGES = ("fiddler", "baselines")
+WALKED_PACKAGES = ("fiddler", "systems")
 
 
 def host_storages(*roots, skip=()) -> dict[int, int]:

@@ -354,7 +354,7 @@ def _unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
 def load_gguf_blocks(path: str | Path, cfg, quant: str) -> dict[str, torch.Tensor]:
     """The expert and attention projection blocks of a Mixtral/llama GGUF file (llama.cpp's converter +
     quantizer output), under the cache's names ("l{l}.e{e}.w1", "l{l}.qkv", ...), in HF row order.
-    Every such tensor must be of type `quant` (llama.cpp's pure policy: baselines/llama_cpp, quant_policy
+    Every such tensor must be of type `quant` (llama.cpp's pure policy: systems/llama_cpp, quant_policy
     pure); the rest of the model is read from the checkpoint."""
     try:
         import gguf
@@ -375,7 +375,7 @@ def load_gguf_blocks(path: str | Path, cfg, quant: str) -> dict[str, torch.Tenso
             raise ValueError(f"{path}: no tensor {name} (is this a GGUF of a Mixtral checkpoint?)")
         if t.tensor_type.name != want:
             raise ValueError(f"{path}: {name} is {t.tensor_type.name}, not {want}; quantize with llama.cpp's pure "
-                             f"policy (python -m baselines.llama_cpp.convert MODEL --quant {quant} --pure)")
+                             f"policy (python -m systems.llama_cpp.convert MODEL --quant {quant} --pure)")
         data = torch.from_numpy(t.data.copy())
         if tuple(data.shape) != shape:
             raise ValueError(f"{path}: {name} has block shape {tuple(data.shape)}, expected {shape}")

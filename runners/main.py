@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from baselines.base import SystemUnavailable
+from systems.base import SystemUnavailable
 from runners import identity, preflight, records, tables
 from runners.checkpoint import verify_checkpoint, verify_config_json
 from runners.schema import Config, ConfigError, Isolation, Mode, validate

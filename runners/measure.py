@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from baselines.base import GenerationRequest, SystemAdapter
+from systems.base import GenerationRequest, SystemAdapter
 
 
 class Clock:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
+from systems import paths
+
+CONF_MODEL = paths.conf_dir() / "model"
 
 
 def synthetic_presets() -> list[str]:

@@ -74,17 +74,19 @@ FIGURES = {
 
 
 def system_key(rec: dict[str, Any]) -> str:
-    """The row a record belongs to: the system, told apart by the option that makes a variant."""
+    """The row a record belongs to: its system, a preset by its own name (`fiddler_original`). A base system
+    whose options make a preset's row (records written before presets carried their names, or a preset's
+    option given as an override) maps to that row; llama.cpp 2024's beam-prefix bounds get rows of their own."""
     name = rec.get("system")
     options = (rec.get("config") or {}).get("system") or {}
     if name == "fiddler":
         if options.get("original"):
             return "fiddler_original"
         return "fiddler_paper" if options.get("planner") == "paper" else "fiddler"
+    if name == "llama_cpp_original" or (name == "llama_cpp" and options.get("original")):
+        prefix = options.get("beam_prefix") or "measured"
+        return "llama_cpp_original" if prefix == "measured" else f"llama_cpp_original_prefix_{prefix}"
     if name == "llama_cpp":
-        if options.get("original"):
-            prefix = options.get("beam_prefix") or "measured"
-            return "llama_cpp_original" if prefix == "measured" else f"llama_cpp_original_prefix_{prefix}"
         return "llama_cpp_cpu_moe" if options.get("n_cpu_moe") not in (None, 0) else "llama_cpp"
     if name == "mixtral_offloading" and options.get("original_swap"):
         return "mixtral_offloading_original"

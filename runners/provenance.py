@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from fiddler import hardware
+from systems import base as systems_base
 
 MEASURED, EMULATED, SIMULATED = "measured", "emulated", "simulated"
 LABELS = (MEASURED, EMULATED, SIMULATED)
@@ -66,11 +67,8 @@ def foreign_environment_reason(env: dict[str, Any], gpu: dict[str, Any] | None) 
 
 
 def gpu_budget_gb(config: dict[str, Any]) -> float:
-    """The GPU budget a job asks for: system.gpu_budget_gb where the system has one, else the environment's."""
-    sys_budget = (config.get("system") or {}).get("gpu_budget_gb")
-    if sys_budget is not None:
-        return float(sys_budget)
-    return float(config["environment"]["gpu"].get("memory_gb") or 0)
+    """The GPU budget a job asks for (systems.base.gpu_budget of its plain config)."""
+    return systems_base.gpu_budget(config.get("system") or {}, config["environment"]["gpu"].get("memory_gb"))[0]
 
 
 def budget_emulated(config: dict[str, Any], gpu: dict[str, Any] | None) -> bool:

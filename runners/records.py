@@ -34,13 +34,15 @@ from typing import Any, Callable, Iterable
 
 from filelock import FileLock
 
+from systems import paths
+
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "skipped", "error", "oom", "timeout", "interrupted")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_index_path() -> Path:
-    return PROJECT_ROOT / "results" / "index.jsonl"
+    return paths.results_dir() / "index.jsonl"
 
 
 @functools.lru_cache(maxsize=1)

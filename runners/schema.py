@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from baselines.base import ConfigError, SystemConfig
-from baselines.base import check as _check
-from baselines.base import check_number as _check_number
+from systems.base import ConfigError, SystemConfig
+from systems.base import check as _check
+from systems.base import check_number as _check_number
 
 
 def _check_list(values: List[int], key: str, minimum: int) -> None:
@@ -175,24 +175,24 @@ def check_arch(arch: Dict[str, Any], prefix: str = "model.arch") -> None:
 
 
 # ---------------------------------------------------------------- systems
-# Each system's options are one typed class beside its adapter (baselines/<name>/config.py, a
-# baselines.base.SystemConfig subclass); register() stores every one under its schema_name.
+# Each system's options are one typed class beside its adapter (systems/<name>/config.py, a
+# systems.base.SystemConfig subclass); register() stores every one under its schema_name.
 
 
 def system_configs() -> dict[str, type[SystemConfig]]:
-    """Every baselines/<name>/config.py's SystemConfig subclass, by schema name."""
+    """Every systems/<name>/config.py's SystemConfig subclass, by schema name."""
     import importlib
     import importlib.util
     import inspect
     import pkgutil
 
-    import baselines
+    import systems
 
     found: dict[str, type[SystemConfig]] = {}
-    for pkg in pkgutil.iter_modules(baselines.__path__):
-        if not pkg.ispkg or importlib.util.find_spec(f"baselines.{pkg.name}.config") is None:
+    for pkg in pkgutil.iter_modules(systems.__path__):
+        if not pkg.ispkg or importlib.util.find_spec(f"systems.{pkg.name}.config") is None:
             continue
-        module = importlib.import_module(f"baselines.{pkg.name}.config")
+        module = importlib.import_module(f"systems.{pkg.name}.config")
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, SystemConfig) and cls.__module__ == module.__name__ and cls.schema_name:
                 found[cls.schema_name] = cls
@@ -391,11 +391,8 @@ def validate(cfg: DictConfig) -> Config:
 
 
 def simulated_gpu_budget(conf: Config) -> tuple[float, str]:
-    """(GB, key): the GPU budget mode=simulate gives the system (runners.simulate.gpu_budget)."""
-    budget = getattr(conf.system, "gpu_budget_gb", None)
-    if budget is not None:
-        return budget, "system.gpu_budget_gb"
-    return conf.environment.gpu.memory_gb, "environment.gpu.memory_gb"
+    """(GB, key): the GPU budget mode=simulate gives the system (systems.base.gpu_budget)."""
+    return conf.system.gpu_budget(conf.environment.gpu.memory_gb)
 
 
 def check_simulation(conf: Config) -> None:

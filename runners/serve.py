@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from baselines.base import ModelSpec, RunContext, SystemUnavailable
+from systems.base import ModelSpec, RunContext, SystemUnavailable
 
 from .main import prepare, resolve_model_path
 from .schema import ConfigError

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from baselines.base import ModelSpec, RunContext, SystemUnavailable
+from systems.base import ModelSpec, RunContext, SystemUnavailable
 
 from . import server_process
 from .session import Job, base_record, load_adapter_class

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from baselines.base import (ConfigError, GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
+from systems.base import (ConfigError, GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
                             SystemUnavailable, one_line)
 from runners import measure, provenance, records
 from runners.decode_bound import decode_bound, environment_limit
@@ -43,7 +43,7 @@ class Job:
         return self.config["system"]
 
 
-ADAPTER_ALLOWED = "allowed: module:Class naming a concrete subclass of baselines.base.SystemAdapter " \
+ADAPTER_ALLOWED = "allowed: module:Class naming a concrete subclass of systems.base.SystemAdapter " \
                   "(as in conf/system/*.yaml)"
 
 

@@ -16,12 +16,14 @@ from typing import Any, Iterator
 import torch
 from omegaconf import OmegaConf
 
-from baselines.base import SystemUnavailable, one_line
-from runners import measure, records
+from systems.base import SystemUnavailable, one_line
+from systems import base as systems_base
+from systems import paths
+from runners import measure
 from runners.hardware_spec import hardware_spec
 from runners.session import Job, base_record, timing
 
-CONF_DIR = records.PROJECT_ROOT / "conf"
+CONF_DIR = paths.conf_dir()
 
 
 def model_config(arch: dict[str, Any]):
@@ -48,11 +50,8 @@ def card_memory_gb(env: dict[str, Any]) -> float | None:
 
 
 def gpu_budget(config: dict[str, Any]) -> tuple[float, str]:
-    """(GB, where it came from): system.gpu_budget_gb where the system has it set, else the environment's."""
-    sys_budget = (config.get("system") or {}).get("gpu_budget_gb")
-    if sys_budget is not None:
-        return float(sys_budget), "system.gpu_budget_gb"
-    return float(config["environment"]["gpu"].get("memory_gb") or 0), "environment.gpu.memory_gb"
+    """(GB, where it came from): systems.base.gpu_budget of the job's plain config."""
+    return systems_base.gpu_budget(config.get("system") or {}, config["environment"]["gpu"].get("memory_gb"))
 
 
 def budget_info(config: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +69,7 @@ class SimSetup:
     """Everything of a job that does not depend on the workload point: model, machine, routing, policy."""
 
     def __init__(self, job: Job):
-        from baselines.fiddler_engine.profiles import reference_popularity
+        from systems.fiddler.profiles import placement_popularity, reference_popularity
         from fiddler.popularity import Popularity
         from fiddler.sim import Efficiency, ProfileRouting, SimContext, SimHardware, RoutingTrace, TraceRouting
         from fiddler.sim import cpu_class_of
@@ -94,7 +93,7 @@ class SimSetup:
         reference = reference_popularity(model["name"])
         if reference is not None:
             reference.check_shape(self.config)
-        placement_pop = (cfg["system"].get("popularity_profile") or reference)
+        placement_pop = placement_popularity(cfg["system"].get("popularity_profile"), model["name"])
         self.placement_popularity = Popularity.for_config(self.config, placement_pop)
         routing = sim["routing"]
         if routing == "auto":

@@ -19,7 +19,7 @@ import pathlib
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the harness runs the engine (baselines/engine_adapter.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the harness runs the engine (systems/engine_adapter.py)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fiddler.batch import BatchEngine  # noqa: E402

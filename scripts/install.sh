@@ -5,7 +5,7 @@
 #      multi-GB CUDA build); $TORCH_SPEC overrides the requirement;
 #   3. the project with its dev and offloading (HQQ) extras (this compiles the Fiddler CPU kernel);
 #   4. the llamacpp extra, with llama.cpp built for the instruction sets this CPU has (read by the
-#      kernel's CPUID detection: baselines/llama_cpp/build_flags.py), never its AMX path, plus CUDA
+#      kernel's CPUID detection: systems/llama_cpp/build_flags.py), never its AMX path, plus CUDA
 #      where an NVIDIA GPU answers; $CMAKE_ARGS, if set, is used as given; the wheel is kept under
 #      ~/.cache/fiddler/wheels (or $LLAMACPP_WHEELS; empty: not kept), keyed by those flags;
 #   5. llama.cpp's HF->GGUF converter.
@@ -45,11 +45,11 @@ EOF
   fi
 fi
 
-step "the project with its dev, offloading, server and serving extras (compiles the CPU kernel)"
-pip install -e ".[dev,offloading,server,serving]"
+step "the project with its dev, offloading, server, serving and cluster extras (compiles the CPU kernel)"
+pip install -e ".[dev,offloading,server,serving,cluster]"
 
 if [ -z "${CMAKE_ARGS:-}" ]; then
-  CMAKE_ARGS="$(python -m baselines.llama_cpp.build_flags)"
+  CMAKE_ARGS="$(python -m systems.llama_cpp.build_flags)"
 fi
 # the llamacpp extra's requirements, as pyproject.toml lists them
 LLAMACPP_REQS=$(python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['llamacpp']))")
@@ -82,6 +82,6 @@ else
 fi
 
 step "llama.cpp's HF->GGUF converter"
-python -m baselines.llama_cpp.convert --fetch
+python -m systems.llama_cpp.convert --fetch
 
 step "done: activate with  . $VENV/bin/activate"

@@ -2,7 +2,7 @@
 """Host-to-GPU copy of one expert from pageable against pinned memory, and the released Fiddler's way of
 copying one (`expert_placeholder.load_state_dict(experts[i].state_dict())` from pageable host tensors,
 efeslab/fiddler@227715b:src/fiddler/mixtral.py#L610-616): the source of `pageable_fraction_of_pinned` in
-baselines/fiddler_engine/original_sim.py.
+systems/fiddler/original_sim.py.
 
     python scripts/measure_pageable_copy.py --out copy.json                 # a Mixtral-8x7B expert, CUDA
     python scripts/measure_pageable_copy.py --device cpu --tiny --out t.json  # a structure check on a CPU

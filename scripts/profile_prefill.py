@@ -26,7 +26,7 @@ import sys
 import time
 from collections import defaultdict
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine's adapter runs it (baselines/engine_adapter.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine's adapter runs it (systems/engine_adapter.py)
 
 import torch  # noqa: E402
 
@@ -151,7 +151,7 @@ def hf_runner(path, threads: int | None, sec: Sections):
     import transformers.models.mixtral.modeling_mixtral as mm
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from baselines.hf_transformers.adapter import HFTransformersAdapter
+    from systems.hf_transformers.adapter import HFTransformersAdapter
 
     if threads:
         torch.set_num_threads(threads)

@@ -4,7 +4,7 @@
 For each model and quant type, over `--sequences` x `--positions` positions of seeded prompts:
 - fiddler at the quant type against fiddler in bf16: mean KL(p_bf16 || p_quant) of the next-token
   distributions and top-1 agreement;
-- the same for llama.cpp (its pure Q8_0/Q4_0 GGUF, baselines/llama_cpp quant_policy=pure, against its
+- the same for llama.cpp (its pure Q8_0/Q4_0 GGUF, systems/llama_cpp quant_policy=pure, against its
   bf16 GGUF);
 - fiddler against llama.cpp on the same quantized weights (the pure GGUF holds exactly the blocks
   fiddler quantizes: tests/test_quant_engine.py), and first the two systems in bf16 as the baseline:
@@ -53,9 +53,9 @@ def fiddler_logits(path, quant, prompts) -> list[torch.Tensor]:
 
 
 def llama_logits(path, name, quant, prompts, threads) -> list[torch.Tensor]:
-    from baselines.base import ModelSpec, RunContext
-    from baselines.llama_cpp.adapter import LlamaCppAdapter
-    from baselines.llama_cpp.config import LlamaCppConfig
+    from systems.base import ModelSpec, RunContext
+    from systems.llama_cpp.adapter import LlamaCppAdapter
+    from systems.llama_cpp.config import LlamaCppConfig
 
     ctx = RunContext(threads=threads, gpu_memory_gb=0.0, has_cuda=False,
                      cache_dir=os.environ.get("FIDDLER_CACHE") or str(Path.home() / ".cache" / "fiddler"))

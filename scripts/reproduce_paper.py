@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import pandas as pd  # noqa: E402
 
-from baselines.llama_cpp.original_sim import PARAMS as LLAMA_ORIGINAL  # noqa: E402
+from systems.llama_cpp.original_sim import PARAMS as LLAMA_ORIGINAL  # noqa: E402
 from runners import paper, table_format  # noqa: E402
 from runners.table_format import Col  # noqa: E402
 from runners.records import atomic_write_text, collect  # noqa: E402
@@ -500,13 +500,13 @@ _LC_F16_DECODE = LLAMA_ORIGINAL["cpu_decode_vs_today"].value  # the 2024 build's
 #: its source (stated in summary.md next to the miss)
 MISS_REASONS = {
     "single_batch": "the released Fiddler's CPU experts are PyTorch bf16 on 16 threads, costed at the per-core "
-                    "rate measured on a quiet 2-core host (baselines/fiddler_engine/original_sim.py TORCH_FACTORS, "
+                    "rate measured on a quiet 2-core host (systems/fiddler/original_sim.py TORCH_FACTORS, "
                     "with its source) times the threads, capped by the read limit: no measurement of the paper's "
                     "CPUs, nor of torch 2.1.2, the version the released code pins (efeslab/fiddler@227715b:"
                     "requirements.txt#L2; this host has a later one); llama.cpp 2024's decode uses this project's "
-                    "llama.cpp factors, measured on Sapphire Rapids and assumed on Skylake (baselines/llama_cpp/"
+                    "llama.cpp factors, measured on Sapphire Rapids and assumed on Skylake (systems/llama_cpp/"
                     "sim.py CPU_FACTORS), times what that build's F16 weights (its CUDA backend had no BF16) do "
-                    f"against today's bf16 on the same host ({_LC_F16_DECODE:.2f}x decode; baselines/llama_cpp/"
+                    f"against today's bf16 on the same host ({_LC_F16_DECODE:.2f}x decode; systems/llama_cpp/"
                     "original_sim.py PARAMS), with -ngl as many layers as fit (the paper's value is not stated); "
                     "nothing is refitted per cell",
     "long_prefill": "the released Fiddler copies every non-resident expert with >= 10 tokens from pageable memory, "
@@ -593,7 +593,7 @@ def summary_markdown(df: pd.DataFrame, reported) -> str:
               "measured under the transformers it pins, 4.36.2, on an H200 with a 16-core Xeon host (the factor's "
               "source names the files); the pair turns between 1.1 and 1.2 ms, and the plan's "
               "0.84 ms is Python on whatever host runs it) and llama.cpp's CPU decode fraction measured "
-              "on 2 cores (baselines/llama_cpp/sim.py CPU_FACTORS) applied to the 56-core socket, with -ngl as many "
+              "on 2 cores (systems/llama_cpp/sim.py CPU_FACTORS) applied to the 56-core socket, with -ngl as many "
               "layers as fit (an assumption); the build's F16 weights (its CUDA backend had no BF16) were measured "
               f"against today's bf16 and make it {_LC_F16_DECODE:.2f}x as fast, not slower. The decisive check "
               "(section 3) runs the paper's rule on this engine and today's llama.cpp, and holds.", ""]

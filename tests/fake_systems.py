@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from baselines.base import GenerationRequest, GenerationResult, SystemAdapter
+from systems.base import GenerationRequest, GenerationResult, SystemAdapter
 
 
 class FakeSystem(SystemAdapter):

@@ -83,7 +83,7 @@ def test_quant_cache_of_another_type_names_the_file_and_is_rebuilt(tmp_path):
 def test_damaged_cached_gguf_is_rebuilt(tmp_path, monkeypatch):
     """The baseline's GGUF cache (convert.ensure_gguf), with the converter replaced by a stand-in that
     writes a fixed file: a cached GGUF whose bytes changed is converted again, with a warning naming it."""
-    from baselines.llama_cpp import convert
+    from systems.llama_cpp import convert
 
     made = []
 

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from baselines.base import GenerationRequest, ModelSpec, RunContext, SystemUnavailable
-from baselines.deepspeed_mii.config import DeepSpeedConfig
+from systems.base import GenerationRequest, ModelSpec, RunContext, SystemUnavailable
+from systems.deepspeed_mii.config import DeepSpeedConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INSTALL = 'pip install -e ".[mii]"'
@@ -36,7 +36,7 @@ def _tiny() -> pathlib.Path:
 
 # ----------------------------------------------------------------------------- no deepspeed needed
 def test_zero_inference_config_is_the_authors_recipe():
-    from baselines.deepspeed_mii.zero_inference import zero_inference_config
+    from systems.deepspeed_mii.zero_inference import zero_inference_config
 
     cfg = zero_inference_config("bfloat16")
     assert cfg["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
@@ -51,9 +51,9 @@ def test_zero_inference_config_is_the_authors_recipe():
 
 
 def test_option_validation(tmp_path):
-    from baselines.deepspeed_mii.adapter import DeepSpeedAdapter
+    from systems.deepspeed_mii.adapter import DeepSpeedAdapter
 
-    from baselines.deepspeed_mii.config import DeepSpeedEngine, OffloadDevice
+    from systems.deepspeed_mii.config import DeepSpeedEngine, OffloadDevice
 
     spec = ModelSpec("m", str(tmp_path))
     with pytest.raises(ValueError, match="engine"):
@@ -71,7 +71,7 @@ def test_option_validation(tmp_path):
 
 @pytest.mark.parametrize("engine", ["zero_offload", "mii"])
 def test_missing_extra_names_the_install_command(engine, tmp_path, monkeypatch):
-    from baselines.deepspeed_mii.adapter import DeepSpeedAdapter
+    from systems.deepspeed_mii.adapter import DeepSpeedAdapter
 
     # None in sys.modules makes `import deepspeed` / `import mii` raise ImportError, as when not installed
     monkeypatch.setitem(sys.modules, "deepspeed", None)
@@ -130,7 +130,7 @@ def test_zero_offload_matches_transformers(child_report):
 def _child(model: str, work: str) -> None:
     import torch
 
-    from baselines.deepspeed_mii.adapter import DeepSpeedAdapter
+    from systems.deepspeed_mii.adapter import DeepSpeedAdapter
 
     cuda = torch.cuda.is_available()
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=cuda, cache_dir=work)

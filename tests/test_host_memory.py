@@ -260,7 +260,7 @@ def test_short_host_memory_is_an_error_before_loading(monkeypatch):
 
 
 def test_held_bytes_walks_only_its_own_objects():
-    """The byte count enters the roots, plain containers, fiddler/baselines objects and torch modules; library
+    """The byte count enters the roots, plain containers, fiddler/systems objects and torch modules; library
     objects, modules and mappings that import on access are leaves (transformers' lazy auto mappings)."""
     import collections
     import types as pytypes

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from baselines.llama_cpp import convert
-from baselines.llama_cpp.build_flags import ALWAYS_OFF, cmake_args
+from systems.llama_cpp import convert
+from systems.llama_cpp.build_flags import ALWAYS_OFF, cmake_args
 
 ROOT = Path(__file__).resolve().parents[1]
 HASWELL = {"avx": True, "os_avx": True, "avx2": True, "fma": True, "f16c": True, "bmi2": True}
@@ -38,7 +38,7 @@ def test_flags_follow_the_cpu():
 
 
 def test_flags_of_this_host_match_proc_cpuinfo():
-    out = subprocess.run([sys.executable, "-m", "baselines.llama_cpp.build_flags", "--cuda", "off"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "systems.llama_cpp.build_flags", "--cuda", "off"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
     f = flags(out)
     cpuinfo = set(next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), []))
@@ -50,7 +50,7 @@ def test_flags_of_this_host_match_proc_cpuinfo():
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (apt-get install qemu-user)")
 def test_flags_under_an_emulated_haswell_leave_out_avx512():
     """What scripts/install.sh would build on a Haswell: AVX2 yes, no AVX-512 (which would SIGILL there)."""
-    r = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-m", "baselines.llama_cpp.build_flags",
+    r = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-m", "systems.llama_cpp.build_flags",
                         "--cuda", "off"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     f = flags(r.stdout.split())
@@ -85,8 +85,8 @@ def _ggml_sources(cache: Path, version: str) -> Path:
     import tarfile
     import tempfile
 
-    from baselines import safe_tar
-    from baselines.llama_cpp.convert import download_sdist
+    from systems import safe_tar
+    from systems.llama_cpp.convert import download_sdist
 
     dest = cache / "llama_cpp_ggml_src" / version
     if (dest / "ggml" / "CMakeLists.txt").exists():

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from baselines.base import GenerationRequest, ModelSpec, RunContext, SystemUnavailable
-from baselines.llama_cpp import beam as beam_mod
-from baselines.llama_cpp.config import LlamaCppConfig
-from baselines.llama_cpp import convert
+from systems.base import GenerationRequest, ModelSpec, RunContext, SystemUnavailable
+from systems.llama_cpp import beam as beam_mod
+from systems.llama_cpp.config import LlamaCppConfig
+from systems.llama_cpp import convert
 
 pytestmark = pytest.mark.llamacpp
 
@@ -32,7 +32,7 @@ def tiny():
 
 def _adapter(tiny, cache_dir, **options):
     pytest.importorskip("llama_cpp")
-    from baselines.llama_cpp.adapter import LlamaCppAdapter
+    from systems.llama_cpp.adapter import LlamaCppAdapter
 
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(cache_dir))
     ad = LlamaCppAdapter(LlamaCppConfig.build(**options), ModelSpec(name=str(tiny.name), path=str(tiny)), ctx)
@@ -158,7 +158,7 @@ def test_gpu_layers_without_gpu_build_is_unavailable(tiny, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     if llama_cpp.llama_supports_gpu_offload():
         pytest.skip("this llama-cpp-python build has a GPU backend")
-    from baselines.llama_cpp.adapter import LlamaCppAdapter
+    from systems.llama_cpp.adapter import LlamaCppAdapter
 
     ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(tmp_path))
     ad = LlamaCppAdapter(LlamaCppConfig.build(n_gpu_layers=4), ModelSpec(name="t", path=str(tiny)), ctx)
@@ -231,7 +231,7 @@ def test_offline_without_converter_is_a_clear_unavailable(tmp_path, monkeypatch)
 
 
 def test_option_validation():
-    """Checks live in the typed config (baselines/llama_cpp/config.py), the adapter's one source."""
+    """Checks live in the typed config (systems/llama_cpp/config.py), the adapter's one source."""
     with pytest.raises(ValueError, match="q3_x"):
         LlamaCppConfig.build(quant="q3_x")
     with pytest.raises(Exception, match="ngl"):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from baselines.base import ModelSpec, RunContext
-from baselines.llama_cpp.config import LlamaCppConfig
-from baselines.llama_cpp.layers import OVERHEAD_BYTES, cpu_moe_layers, gpu_layers, layer_parts
+from systems.base import ModelSpec, RunContext
+from systems.llama_cpp.config import LlamaCppConfig
+from systems.llama_cpp.layers import OVERHEAD_BYTES, cpu_moe_layers, gpu_layers, layer_parts
 from fiddler.config import MoEConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_unknown_quant_is_an_error(mixtral):
 
 
 def _adapter(path, cuda, budget_gb, **options):
-    from baselines.llama_cpp.adapter import LlamaCppAdapter
+    from systems.llama_cpp.adapter import LlamaCppAdapter
 
     ctx = RunContext(threads=1, gpu_memory_gb=budget_gb, has_cuda=cuda, cache_dir="/nonexistent",
                      max_seq_len=96, max_batch=1)

@@ -12,10 +12,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from baselines.base import ModelSpec, RunContext, SystemUnavailable
-from baselines.mixtral_offloading import DEFAULT_CACHE_SIZE, derive_cache_size, load_engine
-from baselines.mixtral_offloading.adapter import MixtralOffloadingAdapter
-from baselines.mixtral_offloading.config import MixtralOffloadingConfig
+from systems.base import ModelSpec, RunContext, SystemUnavailable
+from systems.mixtral_offloading import DEFAULT_CACHE_SIZE, derive_cache_size, load_engine
+from systems.mixtral_offloading.adapter import MixtralOffloadingAdapter
+from systems.mixtral_offloading.config import MixtralOffloadingConfig
 from fiddler.config import MoEConfig
 from fiddler.executors import ExpertWeights
 from fiddler.gpu_side import GpuSide
@@ -225,7 +225,7 @@ def test_prefetch_on_moe_input_is_exact_and_counted():
 def test_engine_binds_the_model_routers_for_prefetch():
     """The engine calls the executor's bind_model hook itself: the policy works through the plain
     Engine.from_pretrained(..., executor=...), and an executor that was never bound says so."""
-    from baselines.mixtral_offloading import MixtralOffloadingPolicy, OffloadingExecutor
+    from systems.mixtral_offloading import MixtralOffloadingPolicy, OffloadingExecutor
     from fiddler.engine import Engine
 
     eng = Engine.from_pretrained(model_path("e8k2"), dtype=torch.float32,
@@ -297,7 +297,7 @@ def test_adapter_cache_size_sources(tmp_path):
     a = adapter(tmp_path, gpu_gb=gb, cache_size=3)  # an explicit option wins
     info = a.info()["executor_info"]
     assert info["cache_size"] == 3 and info["cache_size_source"] == "option cache_size"
-    from baselines.base import GenerationRequest
+    from systems.base import GenerationRequest
 
     calls = []
     res = a.generate(GenerationRequest(input_ids=prompt(8, 512).tolist(), max_new_tokens=4, beam_width=2),
@@ -359,8 +359,8 @@ def test_hqq_quantized_policy_bf16_through_the_adapter(tmp_path):
     """quantize: true on a bf16 model, as a user runs it: the CPU kernel serves the dense linears (their
     torch copies are dropped), so attention must be quantized from the dense weights before that."""
     pytest.importorskip("hqq")
-    from baselines.base import GenerationRequest
-    from baselines.mixtral_offloading.quant import HQQAttentionLinear
+    from systems.base import GenerationRequest
+    from systems.mixtral_offloading.quant import HQQAttentionLinear
 
     a = adapter(tmp_path, dtype="bfloat16", quantize=True, cache_size=2)
     eng = a.engine

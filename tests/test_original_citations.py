@@ -1,15 +1,15 @@
 """Every parameter of a system as the paper ran it (`*_original`) carries a citation in the fixed format
-(baselines/citations.py), and the systems are wired: their yaml selects the cited policy."""
+(systems/citations.py), and the systems are wired: their yaml selects the cited policy."""
 from __future__ import annotations
 
 import pytest
 
-from baselines.citations import Cited, citation_problem
+from systems.citations import Cited, citation_problem
 
 
 def _params():
-    from baselines.fiddler_engine.original_sim import PARAMS as F
-    from baselines.llama_cpp.original_sim import PARAMS as L
+    from systems.fiddler.original_sim import PARAMS as F
+    from systems.llama_cpp.original_sim import PARAMS as L
 
     return [("fiddler_original", k, v) for k, v in F.items()] + [("llama_cpp_original", k, v) for k, v in L.items()]
 
@@ -38,7 +38,7 @@ def test_original_torch_factors_come_from_the_cited_measurement():
     import json
     from pathlib import Path
 
-    from baselines.fiddler_engine import original_sim
+    from systems.fiddler import original_sim
 
     root = Path(__file__).resolve().parents[1]
     m = json.loads((root / original_sim.PARAMS["torch_factors"].source).read_text())
@@ -49,7 +49,7 @@ def test_original_torch_factors_come_from_the_cited_measurement():
 
 
 def test_prefix_schedules_bound_the_measured_one():
-    from baselines.llama_cpp.original_sim import prefix_schedule
+    from systems.llama_cpp.original_sim import prefix_schedule
 
     for b in (4, 8, 12, 16):
         lo, hi, mid = (prefix_schedule(m, b, 63) for m in ("prompt", "all_but_last", "measured"))
@@ -63,7 +63,7 @@ def test_llama_cpp_2024_f16_ratios_come_from_the_cited_measurement():
     import statistics
     from pathlib import Path
 
-    from baselines.llama_cpp import original_sim
+    from systems.llama_cpp import original_sim
 
     root = Path(__file__).resolve().parents[1]
     src = Path(original_sim.PARAMS["cpu_decode_vs_today"].source)
@@ -78,8 +78,8 @@ def test_llama_cpp_2024_f16_ratios_come_from_the_cited_measurement():
 
 
 def test_llama_cpp_original_runs_f16_with_the_2024_factors(tmp_path):
-    from baselines.llama_cpp import original_sim
-    from baselines.llama_cpp.sim import CPU_FACTORS
+    from systems.llama_cpp import original_sim
+    from systems.llama_cpp.sim import CPU_FACTORS
     from runners.main import run_job
     from tests.test_harness import cfg_of
 

@@ -59,11 +59,11 @@ def test_every_configuration_of_the_three_experiments_composes_in_simulate_mode(
             assert conf.mode.value == "simulate" and conf.model.name == "mixtral_8x7b"
             assert (conf.workload.input_lens, conf.workload.output_lens, conf.workload.beam_widths) == grid
             if system == "fiddler_paper":
-                assert conf.system.name == "fiddler" and conf.system.planner.value == "paper"
+                assert conf.system.name == "fiddler_paper" and conf.system.planner.value == "paper"
             if system == "llama_cpp_cpu_moe":
-                assert conf.system.name == "llama_cpp" and conf.system.n_cpu_moe == -1
+                assert conf.system.name == "llama_cpp_cpu_moe" and conf.system.n_cpu_moe == -1
             if system == "mixtral_offloading_original":
-                assert conf.system.name == "mixtral_offloading" and conf.system.original_swap
+                assert conf.system.name == "mixtral_offloading_original" and conf.system.original_swap
     assert jobs == 108  # 9 rows x 4 machines x 3 experiments
 
 
@@ -76,7 +76,7 @@ def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):
     recs = read_jsonl(tmp_path / "i.jsonl", strict=True)
     assert len(recs) == 8 and {r["mode"] for r in recs} == {"simulate"}
     assert all(r["environment_info"]["provenance"] == "simulated" for r in recs)
-    fiddler = [r for r in recs if r["system"] == "fiddler"]
+    fiddler = [r for r in recs if r["system"] == "fiddler_paper"]  # a preset's records carry its own name
     assert len(fiddler) == 4 and all(r["status"] == "ok" and r["config"]["system"]["planner"] == "paper"
                                      for r in fiddler)
     table = (tmp_path / "s" / "table.md").read_text()
@@ -84,7 +84,7 @@ def test_run_py_runs_an_experiment_in_simulate_mode_and_labels_it(tmp_path):
     from tests import md_table
 
     rows = md_table.dicts(table)
-    assert len(rows) == 8 and {r["system"] for r in rows} == {"fiddler", "llama_cpp"}
+    assert len(rows) == 8 and {r["system"] for r in rows} == {"fiddler_paper", "llama_cpp"}
     assert all(r["numbers"] == "simulated" for r in rows)
 
 

@@ -127,3 +127,13 @@ def test_profile_script_on_tiny_checkpoint(tmp_path):
     from fiddler.config import MoEConfig
 
     Popularity.for_config(MoEConfig.from_pretrained(model_path("e8k2")), out)
+
+
+def test_the_placement_popularity_rule():
+    """One rule for the profile Fiddler places by (execute, serve and simulate all call it): the system's
+    popularity_profile where given, else the model's reference profile, else None (uniform)."""
+    from systems.fiddler.profiles import placement_popularity, reference_popularity
+
+    assert placement_popularity("my.json", "mixtral_8x7b") == "my.json"
+    assert placement_popularity(None, "mixtral_8x7b") is reference_popularity("mixtral_8x7b") is not None
+    assert placement_popularity(None, "tiny_mixtral") is None

@@ -136,8 +136,8 @@ def test_gguf_blocks_are_our_blocks(quant):
     undoing the converter's q/k row permutation), and the engine runs from the GGUF file."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
-    from baselines.base import SystemUnavailable
-    from baselines.llama_cpp import convert
+    from systems.base import SystemUnavailable
+    from systems.llama_cpp import convert
     from runners.models import synthetic_model
 
     tiny = synthetic_model("tiny_mixtral")
@@ -163,8 +163,8 @@ def test_gguf_blocks_are_our_blocks(quant):
 
 
 def test_harness_options():
-    from baselines.fiddler_engine.config import FiddlerConfig
-    from baselines.llama_cpp.config import LlamaCppConfig
+    from systems.fiddler.config import FiddlerConfig
+    from systems.llama_cpp.config import LlamaCppConfig
 
     assert FiddlerConfig.build(quant="q4_0").quant == "q4_0"
     with pytest.raises(ValueError):
@@ -177,7 +177,7 @@ def test_harness_options():
 def test_simulator_counts_quantized_bytes():
     """mode=simulate with system.quant: the cost model, placement and latency model use the block bytes;
     on the same budget more experts are resident and decode is faster (Mixtral-8x7B on an RTX 4090 spec)."""
-    from baselines.fiddler_engine.profiles import reference_popularity
+    from systems.fiddler.profiles import reference_popularity
     from fiddler.latency import HardwareSpec
     from fiddler.sim import Efficiency, FiddlerSimPolicy, ModelCosts, ProfileRouting, SimContext, SimHardware, simulate
 

@@ -1,4 +1,4 @@
-"""Every sweep example of the README (each `python run.py -m ...`, in a code block or inline) works as
+"""Every sweep example of the README and docs/ (each `python run.py -m ...`, in a code block or inline) works as
 written: every job it expands to, expanded the way Hydra's BasicSweeper does, composes through Hydra
 and passes the harness's start-up checks; the cheap ones also run, on tiny models with tiny lengths."""
 from __future__ import annotations
@@ -26,9 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PLACEHOLDER = "..."  # "and your sweep", in the launcher examples
 
 
+GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def guides_text() -> str:
+    return "\n".join(p.read_text() for p in GUIDES)
+
+
 def readme_sweeps() -> list[list[str]]:
-    """The arguments after `python run.py -m` of every sweep example in README.md."""
-    text = (ROOT / "README.md").read_text()
+    """The arguments after `python run.py -m` of every sweep example in README.md and docs/."""
+    text = guides_text()
     fence = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
     commands = [line for block in fence.findall(text) for line in block.replace("\\\n", " ").splitlines()
                 if line.lstrip().startswith("python run.py -m ")]
@@ -80,7 +87,7 @@ def _jobs(args: list[str]) -> tuple:
 
 
 def test_every_readme_sweep_example_is_found():
-    text = (ROOT / "README.md").read_text()
+    text = guides_text()
     assert len(SWEEPS) == text.count("python run.py -m ") >= 10, SWEEPS
     assert len(CHEAP) >= 2, CHEAP
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from baselines.llama_cpp import convert
+from systems.llama_cpp import convert
 
 TOP = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 
@@ -74,7 +74,7 @@ UNSAFE = {
 @pytest.mark.parametrize("own_checks", [True, False], ids=["own checks", "data filter where available"])
 @pytest.mark.parametrize("case", list(UNSAFE))
 def test_safe_extract_refuses_members_that_leave_the_destination(tmp_path, monkeypatch, case, own_checks):
-    from baselines import safe_tar
+    from systems import safe_tar
 
     if own_checks:
         monkeypatch.delattr(tarfile, "data_filter", raising=False)
@@ -90,7 +90,7 @@ def test_safe_extract_refuses_members_that_leave_the_destination(tmp_path, monke
 
 
 def test_safe_extract_own_checks_extract_files_dirs_and_inside_links(tmp_path, no_data_filter):
-    from baselines import safe_tar
+    from systems import safe_tar
 
     archive = _tar(tmp_path / "t.tar.gz", [("d/a.txt", b"A"), ("d/e/b.txt", b"B"), _link("d/l", "e/b.txt"),
                                            _link("h", "d/a.txt", hard=True)])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from baselines.fiddler_engine.profiles import reference_popularity
+from systems.fiddler.profiles import reference_popularity
 from fiddler.config import MoEConfig
 from fiddler.latency import HardwareSpec
 from fiddler.placement import place
@@ -130,7 +130,7 @@ def test_the_simulator_package_imports_no_harness_code():
     import fiddler.sim
 
     src = "\n".join(p.read_text() for p in pathlib.Path(fiddler.sim.__file__).parent.glob("*.py"))
-    assert not any(f"{kw} {pkg}" in src for kw in ("import", "from") for pkg in ("runners", "baselines", "hydra"))
+    assert not any(f"{kw} {pkg}" in src for kw in ("import", "from") for pkg in ("runners", "systems", "hydra"))
 
 
 def test_a_beam_trace_replays_its_decode_rows():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from baselines.llama_cpp.sim import LlamaCppSimPolicy
+from systems.llama_cpp.sim import LlamaCppSimPolicy
 from fiddler.latency import HardwareSpec
 from fiddler.popularity import Popularity
 from fiddler.sim import Efficiency, FiddlerSimPolicy, ProfileRouting, SimContext, SimHardware, simulate

@@ -166,7 +166,7 @@ def test_bad_index_path_fails_before_anything_runs(tmp_path, loads, make, words)
     ("builtins:print", "is a builtin_function_or_method, not a class"),
     ("runners.main:prepare", "is a function, not a class"),
     ("collections:OrderedDict", "is not a SystemAdapter subclass"),  # a class of another kind
-    ("baselines.base:SystemAdapter", "is abstract"),
+    ("systems.base:SystemAdapter", "is abstract"),
     ("no_such_module:FakeSystem", "there is no module no_such_module"),
     ("tests.fake_systems:NoSuchClass", "module tests.fake_systems has no NoSuchClass"),
     ("tests.fake_systems", "is not module:Class"),
@@ -177,7 +177,7 @@ def test_system_adapter_must_name_a_system_adapter_class(spec, words, mode):
         prepare(cfg_of(f"mode={mode}", "model=mixtral_8x7b", f"system.adapter={spec}"))
     msg = str(err.value)
     assert msg.startswith(f"system.adapter={spec!r}") and words in msg and "\n" not in msg
-    assert msg.endswith("allowed: module:Class naming a concrete subclass of baselines.base.SystemAdapter "
+    assert msg.endswith("allowed: module:Class naming a concrete subclass of systems.base.SystemAdapter "
                         "(as in conf/system/*.yaml)")
 
 

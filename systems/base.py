@@ -1,0 +1,203 @@
+"""The one interface every benchmarked system implements.
+
+The runner (``runners/``) owns timing: it starts a clock, calls ``generate`` and stops the clock.
+The system calls ``on_first_token()`` exactly once, right after the first new token exists (after
+the prefill forward and the first token choice), so that TTFT and decode time are measured by the
+same code for every system. Systems never time themselves for the headline metrics.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, ClassVar
+
+MISSING = "???"  # omegaconf.MISSING: a value the yaml must give
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the offending key."""
+
+
+def check(ok: Callable[[], Any], key: str, value: Any, allowed: str) -> None:
+    """Raise ConfigError unless `ok()`; unset (MISSING) values are skipped (OmegaConf builds schema
+    defaults before values are filled in)."""
+    if value == MISSING or (isinstance(value, list) and MISSING in value):
+        return
+    if not ok():
+        raise ConfigError(f"{key}={value!r} is invalid; allowed: {allowed}")
+
+
+def check_number(key: str, value: Any, low: float = 0.0, *, above: bool = False, optional: bool = False,
+                 note: str = "") -> None:
+    """A finite number >= low (> low where `above`; None too where `optional`). Finite always: an inf or a
+    NaN passes every comparison-free path of a cost model and comes out as an `ok` record of nonsense."""
+    if optional and value is None:
+        return
+    sign = ">" if above else ">="
+    allowed = f"{'null or ' if optional else ''}a finite number {sign} {low:g}{note}"
+    check(lambda: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if above else value >= low), key, value, allowed)
+
+
+@dataclass
+class SystemConfig:
+    """Options of one system: the base of every `systems/<name>/config.py` class. The runner composes
+    it from `conf/system/<name>.yaml` (types and enum values checked by Hydra, ranges by
+    `__post_init__`) and hands it to the adapter as this typed object."""
+
+    #: the structured-config name the system's yaml lists in its defaults (`<schema_name>`)
+    schema_name: ClassVar[str] = ""
+
+    name: str = MISSING
+    adapter: str = MISSING  # "package.module:ClassName", imported lazily
+
+    @classmethod
+    def build(cls, **options):
+        """The config from keyword options, with the same type and enum checks as the runner's (for
+        scripts and tests that make an adapter without Hydra)."""
+        from omegaconf import OmegaConf
+
+        options = {"name": cls.schema_name.removesuffix("_schema"), "adapter": "", **options}
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), options))
+
+    def sim_policy(self):
+        """This system's policy for `mode=simulate`: a `fiddler.sim.SimPolicy` built from these options
+        (each system's lives beside its adapter and is imported lazily here). Raise SystemUnavailable
+        with the reason where the system has no simulation model (the record is then `skipped`)."""
+        raise SystemUnavailable(f"system={self.name} has no simulation model")
+
+    def check_model(self, model: str, model_config: Callable[[], Any]) -> None:
+        """Raise ConfigError, naming the key, where these options cannot run `model` (checked at start in
+        both modes). model_config() gives its fiddler.config.MoEConfig; call it only when needed."""
+
+    def gpu_budget(self, env_gb: float) -> tuple[float, str]:
+        """The GPU budget this system asks for, in GiB, and the key it came from (`gpu_budget`)."""
+        return gpu_budget(self, env_gb)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enums as their values), for records."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(v):
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def gpu_budget(system: Any, env_gb: float | None) -> tuple[float, str]:
+    """The harness's one rule for which GPU budget a job asks for: (GiB, the key it came from), the system's
+    `gpu_budget_gb` where it has one set, else the environment's `gpu.memory_gb`. `system`: a SystemConfig or
+    its plain dict. What a budget means (0 = no GPU; without CUDA one > 0 is emulated) is the library's rule,
+    fiddler.gpu_side.GpuSide.for_budget_gb: execute mode builds the GPU side with it, and mode=simulate
+    simulates a GPU of that size where it is > 0."""
+    own = system.get("gpu_budget_gb") if isinstance(system, dict) else getattr(system, "gpu_budget_gb", None)
+    if own is not None:
+        return float(own), "system.gpu_budget_gb"
+    return float(env_gb or 0), "environment.gpu.memory_gb"
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a record's reason."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+class SystemUnavailable(RuntimeError):
+    """The system cannot run on this machine (missing extra, no CUDA, ...).
+
+    The runner turns it into a record with status ``skipped`` and ``str(exc)`` as the reason.
+    """
+
+
+@dataclass
+class ModelSpec:
+    """The checkpoint every system loads (a Hugging Face Mixtral-architecture directory)."""
+
+    name: str
+    path: str  # local directory with config.json, *.safetensors and tokenizer.model
+    dtype: str = "bfloat16"  # "bfloat16" | "float32"
+
+
+@dataclass
+class RunContext:
+    """Machine facts a system needs: thread count, GPU budget, work directory for caches."""
+
+    threads: int
+    gpu_memory_gb: float
+    has_cuda: bool
+    cache_dir: str
+    environment: dict[str, Any] = field(default_factory=dict)  # resolved environment config
+    # the largest request of the job (prompt + new tokens, beams), so systems can size KV caches
+    max_seq_len: int = 4096
+    max_batch: int = 1
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    max_new_tokens: int  # generate exactly this many (end-of-sequence ignored)
+    beam_width: int = 1  # 1 = greedy
+    seed: int = 0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # the new tokens of the returned (best) sequence, len == max_new_tokens
+    stats: dict[str, Any] = field(default_factory=dict)  # system-specific (hit rate, decisions, ...)
+
+
+class SystemAdapter(abc.ABC):
+    """Base class of every system adapter. Subclasses import heavy dependencies lazily in ``load``.
+    ``config`` is the system's typed config (a SystemConfig subclass from its ``config.py``)."""
+
+    #: token accounting used for beams: tokens counted are those of the returned sequence (paper)
+    token_accounting = "returned_sequence"
+    #: environment variables the system needs set before torch (or its own runtime) is imported,
+    #: e.g. OpenMP settings read once at library load; the runner then runs it in a fresh process
+    process_env: dict[str, str] = {}
+    # The expert/attention weight type the decode bound counts bytes for (runners/decode_bound.py):
+    # None = the model dtype, "q8_0"/"q4_0" = llama.cpp blocks (fiddler.quant), "unmodelled" = no bound
+    weight_quant: str | None = None
+
+    def __init__(self, config: SystemConfig, model: ModelSpec, ctx: RunContext):
+        self.config = config
+        self.model = model
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load weights etc. Not timed. Raise SystemUnavailable if the system cannot run here."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
+        """Generate ``request.max_new_tokens`` tokens; call ``on_first_token()`` once."""
+
+    def synchronize(self) -> None:
+        """Wait for outstanding device work (the runner calls it around timed regions)."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts for the record: library versions, implementation choices, thread counts."""
+        return {}
+
+    def close(self) -> None:
+        """Release memory (called once after the last configuration of this system)."""
+
+    #: the route mode=serve polls until it answers 200 (runners/serve.py)
+    server_health_path = "/health"
+
+    def server_command(self, serve) -> list[str]:
+        """mode=serve: the command that starts this system's OpenAI-compatible server on the model (an
+        unloaded adapter; `serve` is runners.schema.ServeConfig). Raise SystemUnavailable where it cannot."""
+        raise SystemUnavailable(f"system={self.config.name} has no OpenAI-compatible server")
+
+    def server_notes(self) -> dict[str, Any]:
+        """Facts about the server for the run folder's serve.json (what it serves and how)."""
+        return {}

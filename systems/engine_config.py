@@ -1,0 +1,21 @@
+"""Options every system that runs inside fiddler's engine shares (fiddler, mixtral_offloading)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from systems.base import SystemConfig, check, check_number
+
+
+@dataclass
+class EngineSystemConfig(SystemConfig):
+    cpu_threads: Optional[int] = None  # None = environment.cpu.threads
+    gpu_budget_gb: Optional[float] = None  # None = environment.gpu.memory_gb
+    # keep the router's choices of every forward and write them next to the records as a routing trace
+    # (fiddler.sim.trace format; mode=simulate replays it with sim.trace=<file>)
+    record_routing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None:
+            check(lambda: self.cpu_threads >= 1, "system.cpu_threads", self.cpu_threads, "null or an integer >= 1")
+        check_number("system.gpu_budget_gb", self.gpu_budget_gb, optional=True)

@@ -1,0 +1,30 @@
+"""Options of `system=hf_transformers` (conf/system/hf_transformers.yaml)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from systems.base import SystemConfig
+
+
+class ExpertsImpl(Enum):
+    auto = "auto"
+    grouped_mm = "grouped_mm"
+    batched_mm = "batched_mm"
+    eager = "eager"
+
+
+@dataclass
+class HFTransformersConfig(SystemConfig):
+    schema_name = "hf_transformers_schema"
+
+    # transformers' MoE experts implementation; auto = the fastest on a CPU (grouped_mm when registered)
+    experts_implementation: ExpertsImpl = ExpertsImpl.auto
+
+    def sim_policy(self):
+        from systems.base import SystemUnavailable
+
+        raise SystemUnavailable(
+            "hf_transformers has no simulation model: the Fiddler paper does not compare with it, and how "
+            "transformers/accelerate would offload a model beyond the GPU (device_map='auto' with CPU-offloaded "
+            "modules run on the CPU or streamed per forward) is not modelled; run it in execute mode")

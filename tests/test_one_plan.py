@@ -39,7 +39,6 @@ class Counts:
         ex, model = e.executor, e.model
         self._undo = []
         self._wrap(model, "forward", "steps")
-        self._wrap(model, "forward_segments", "steps")
         self._wrap(ex, "forward", "moe_calls")
         self._wrap(ex, "planner", "plans")
         self.layers = e.config.num_moe_layers

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..generate import check_lengths, choose_token
+from ..step import Segment
 from ..threads import torch_threads
 from .request import QueueFull, Request, SamplingParams
 from .scheduler import Scheduler, Work
@@ -36,7 +37,7 @@ DEFAULT_MAX_QUEUE = 256
 @dataclass
 class StepStats:
     """One engine step: its tokens (decode / prefill), requests, experts run by decision kind (a: resident
-    on the GPU, b: copied in, c: on the CPU) with the tokens they took, and its wall time."""
+    on the GPU, b: copied in, c: on the CPU) with the tokens they took, its wall time and its path."""
 
     step: int
     tokens: int
@@ -47,6 +48,7 @@ class StepStats:
     experts: dict[str, int] = field(default_factory=dict)
     expert_tokens: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    path: str | None = None  # the path the step took (fiddler.step.PATHS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,9 +163,8 @@ class BatchEngine:
         t0 = time.perf_counter()
         ex_before = _kind_counts(self.engine.executor.stats)
         tokens = torch.cat([self._tokens_of(w) for w in work])
-        emits = [w.emits for w in work]
         with torch_threads(self.engine.torch_threads):
-            logits = model.forward_segments(tokens.to(model.device), work, emits)
+            logits = self.engine.step(tokens, [Segment(w.slot, w.start, w.length, w.emits) for w in work])
             chosen = self._choose([w for w in work if w.emits], logits)
         now = time.perf_counter()
         finished = 0
@@ -179,7 +180,7 @@ class BatchEngine:
                 prefill_tokens=sum(w.length for w in work if not w.decode), requests=len(work), finished=finished,
                 experts={k: ex_after[0][k] - ex_before[0].get(k, 0) for k in ex_after[0]},
                 expert_tokens={k: ex_after[1][k] - ex_before[1].get(k, 0) for k in ex_after[1]},
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, path=model.last_path)
             self.steps.append(st)
             self.n_steps += 1
             t = self.totals

@@ -58,3 +58,27 @@ def test_breaking_the_step_breaks_the_benchmark_and_the_server(tmp_path, monkeyp
         else:
             assert status == 200 and body["usage"]["completion_tokens"] == 3, (status, body)
 
+
+
+def test_the_in_process_batching_measurement_runs_the_step(monkeypatch):
+    """runners/concurrency.py (batch_decode16_vs_1, scripts/bench_batch.py) drives the same Engine.step."""
+    import fiddler.engine
+    from fiddler.batch import BatchEngine
+    from runners.concurrency import prompts, timed_concurrent
+    from runners.models import synthetic_model
+
+    be = BatchEngine.from_pretrained(synthetic_model("tiny_mixtral"), slots=2, max_seq_len=32)
+    ps = prompts(2, 8, be.engine.config.vocab_size)
+    assert timed_concurrent(be, ps, 3)["output_tokens"] == 6
+    calls = []
+    real = fiddler.engine.Engine.step
+    monkeypatch.setattr(fiddler.engine.Engine, "step", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    timed_concurrent(be, ps, 3)
+    assert calls
+
+    def broken(self, *a, **k):
+        raise RuntimeError(MESSAGE)
+
+    monkeypatch.setattr(fiddler.engine.Engine, "step", broken)
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        timed_concurrent(be, ps, 3)

@@ -339,6 +339,16 @@ class KVCache:
             # gathered into a new tensor first, so a permutation (row a <- b, b <- a) is safe
             part.index_copy_(1, moved.to(t.device), part.index_select(1, src.to(t.device)))
 
+    def save_row(self, row: int, length: int) -> tuple[torch.Tensor, ...]:
+        """A copy of every layer's entries at positions [0, length) of cache row `row` (prefix reuse:
+        fiddler.batch.prefix_cache), in the cache's layout and devices."""
+        return tuple(t[:, row, :, :length].clone() for t in (self.k, self.v) + (self._other or ()))
+
+    def load_row(self, row: int, saved: tuple[torch.Tensor, ...], length: int) -> None:
+        """Writes the first `length` positions of `saved` (from save_row) into cache row `row`."""
+        for t, s in zip((self.k, self.v) + (self._other or ()), saved):
+            t[:, row, :, :length].copy_(s[:, :, :length])
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v) + (self._other or ()))

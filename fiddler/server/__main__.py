@@ -41,6 +41,9 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=8, help="requests decoded at once (KV-cache rows)")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
     ap.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    ap.add_argument("--prefix-cache-mb", type=float, default=0.0,
+                    help="MiB of prompts' KV entries kept for reuse: a prompt starting with a cached prefix computes "
+                         "only the rest (0: off)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="KV-cache positions per slot (default: min(context, 4096))")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--cpu-threads", type=int, default=None)
@@ -65,6 +68,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (a checkpoint directory is needed)")
+    if not args.prefix_cache_mb >= 0:
+        ap.error("--prefix-cache-mb must be >= 0")
     for name in ("slots", "max_queue", "token_budget"):
         if getattr(args, name) < (0 if name == "max_queue" else 1):
             ap.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}")
@@ -115,7 +120,7 @@ def loader(args):
                                          max_queue=args.max_queue, dtype=getattr(torch, args.dtype),
                                          gpu=GpuSide.for_budget_gb(args.gpu_budget_gb), executor=policy,
                                          cpu_threads=args.cpu_threads, max_seq_len=args.max_seq_len,
-                                         quant=args.quant)
+                                         quant=args.quant, prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
         return be, AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     return load
 

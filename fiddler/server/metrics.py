@@ -87,6 +87,11 @@ class Metrics:
                           "# TYPE fiddler_engine_tokens_total counter",
                           f'fiddler_engine_tokens_total{{phase="decode"}} {t["decode_tokens"]}',
                           f'fiddler_engine_tokens_total{{phase="prefill"}} {t["prefill_tokens"]}',
+                          "# HELP fiddler_prefix_cache_tokens_total Prompt tokens of admitted requests: copied from "
+                          "the prefix cache (hit) or left to compute (miss; counted only with the cache on).",
+                          "# TYPE fiddler_prefix_cache_tokens_total counter",
+                          f'fiddler_prefix_cache_tokens_total{{result="hit"}} {t["prefix_hit_tokens"]}',
+                          f'fiddler_prefix_cache_tokens_total{{result="miss"}} {t["prefix_miss_tokens"]}',
                           "# HELP fiddler_expert_decisions_total Experts run, by the planner's decision (a: resident "
                           "on the GPU, b: copied in, c: on the CPU).",
                           "# TYPE fiddler_expert_decisions_total counter",

@@ -406,7 +406,7 @@ class Engine:
             # distinct experts a decode step ran per layer: with beams, the ones the beams actually used
             # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)
             m = self.model
-            st["decode_experts_per_layer"] = (m.multi_row_expert_loads / m.multi_row_layer_steps
+            st["decode_experts_per_layer"] = (int(m.multi_row_expert_loads) / m.multi_row_layer_steps
                                               if m.multi_row_layer_steps else self.config.active_slots)
 
     @torch.inference_mode()

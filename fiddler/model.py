@@ -444,7 +444,8 @@ class MoETransformer:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
         self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
         # Distinct experts used per layer in decode steps with several rows (beams share experts), for
-        # the decode bound; with one row it is top_k (+ shared slots) and is not counted.
+        # the decode bound (a tensor on the experts' device once counted; read once per generate); with one
+        # row it is top_k (+ shared slots) and is not counted.
         self.multi_row_expert_loads = 0
         self.multi_row_layer_steps = 0
         self.last_path: str | None = None  # the path the last forward took (fiddler.step.PATHS)
@@ -654,7 +655,10 @@ class MoETransformer:
         if h.dtype != self.dtype and not self.executor.fp32_inputs:
             h = h.to(self.dtype)
         if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
-            self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=self.cfg.expert_slots) > 0).sum())
+            # marked in a device tensor and summed there: no host sync (bincount would size its output on the host)
+            seen = torch.zeros(self.cfg.expert_slots, dtype=torch.int32, device=idx.device)
+            seen[idx.flatten()] = 1
+            self.multi_row_expert_loads = seen.sum() + self.multi_row_expert_loads
             self.multi_row_layer_steps += 1
         j = layer.moe_index
         if h.device != self.device:  # a layer whose dense part lives on the CPU: experts see the GPU side

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fiddler.executors.routing import ExpertGroups, Scratch, SlotOutputs
+from fiddler.executors.routing import ExpertGroups, Scratch, SlotOutputs, fixed_size_counts
 
 
 def scatter_then_sum(T, K, tok, slot, y, w):
@@ -75,11 +75,6 @@ def test_scratch_reuses_a_buffer_per_name_and_grows_it():
 def test_fixed_size_counts_are_bincounts_and_reject_bad_ids():
     """The GPU's way of counting (no sync to size the output) gives the CPU's counts; checked here on CPU
     tensors."""
-    import pytest
-    import torch
-
-    from fiddler.executors.routing import fixed_size_counts
-
     g = torch.Generator().manual_seed(0)
     for n, E in ((1, 8), (37, 8), (500, 64)):
         flat = torch.randint(0, E, (n,), generator=g)

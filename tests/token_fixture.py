@@ -5,8 +5,9 @@ elsewhere; bf16 has no reference but the engine's own past, since rounding makes
 
 Every choice the engine makes from a timing at load is pinned here, since a timing must not decide bits:
 the linears run on the packed kernel at every token count (set_kernel_max_tokens), a prompt's attention
-on torch's SDPA, AMX tiles (where present) from a fixed token count. A class is the kernel's ISA path
-and the CPU vendor: torch's and the kernel's bf16 arithmetic differ between them.
+on torch's SDPA, AMX tiles (where present) from a fixed token count. A class is the CPU (vendor, family,
+model) and the kernel's ISA path: torch's and the kernel's bf16 arithmetic may differ between them, so a
+class is compared only on the CPUs it was recorded on, and a new class may be recorded at any time.
 
     python -m tests.token_fixture --record   # (re)record this machine's class; see the rule below
 
@@ -31,10 +32,14 @@ AMX_MIN_TOKENS = "4"  # pinned AMX-BF16 crossover (where tiles exist)
 
 
 def kernel_class() -> str:
-    from fiddler import kernels
-    from fiddler.hardware import cpu_name
+    import re
 
-    return f"{cpu_name().split()[0]}-{kernels.isa()}"
+    from fiddler import kernels
+    from fiddler.hardware import cpu_description
+
+    d = cpu_description()  # "<model name> (family F model M)"
+    fm = re.search(r"family (\d+) model (\d+)", d)
+    return f"{d.split()[0]}-f{fm[1]}m{fm[2]}-{kernels.isa()}" if fm else f"{d.split()[0]}-{kernels.isa()}"
 
 
 def prompts() -> list[list[int]]:

@@ -26,7 +26,9 @@ from . import hostmem
 from .hostmem import host_storages
 from .kernel_loader import load_kernels
 from .model import KERNEL_EVERY_COUNT, MoETransformer
+from .plain import plain
 from .placement import DensePlacement, dense_placement, layer_dense_bytes
+from .step import PATHS, Segment, rows
 from .threads import torch_threads
 from .weights import load_weights
 
@@ -208,6 +210,7 @@ class Engine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._info = info
         self.torch_threads = torch_threads  # torch intra-op threads while generating (None: unchanged)
+        self.step_paths = dict.fromkeys(PATHS, 0)  # steps run by path, since load (step())
 
     @classmethod
     def from_pretrained(
@@ -354,6 +357,7 @@ class Engine:
         if self.gpu.is_cuda:  # cuda_memory in the stats: this generate's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model.multi_row_expert_loads = self.model.multi_row_layer_steps = 0
+        paths_before = dict(self.step_paths)
         with torch_threads(self.torch_threads):
             out = generate(
                 self.model,
@@ -367,9 +371,21 @@ class Engine:
                 generator=gen,
                 eos_token_id=eos_token_id,
                 on_first_token=on_first_token,
+                step=self.step,
             )
         self._add_stats(out, prompt.shape[0])
+        out.stats["step_paths"] = {p: self.step_paths[p] - paths_before[p] for p in PATHS}
         return out
+
+    def step(self, tokens: torch.Tensor, segments: list[Segment], *, all_logits: bool = False) -> torch.Tensor:
+        """The engine step: advance each sequence (a Segment: a prompt chunk or one decode token on its own
+        KV-cache row and positions) and return the fp32 logits of those that emit
+        (MoETransformer.forward). Everything that runs the model runs this: generate() (single requests and
+        beams), fiddler.batch's BatchEngine (continuous batching, the server) and so every measurement."""
+        with torch_threads(self.torch_threads):
+            logits = self.model.forward(tokens.to(self.device), segments, all_logits=all_logits)
+        self.step_paths[self.model.last_path] += 1
+        return logits
 
     def _add_stats(self, out: GenerationOutput, S: int):
         st = out.stats
@@ -378,7 +394,7 @@ class Engine:
         st["new_tokens"] = int(out.tokens.shape[0])
         st["decode_s"] = sum(lat)
         st["decode_tok_s"] = len(lat) / sum(lat) if lat else None
-        st["executor"] = _plain(self.executor.stats.to_dict())
+        st["executor"] = plain(self.executor.stats.to_dict())
         if self.gpu.is_cuda:  # what this generate really reserved under the cap, and whether it had to retry
             ms = torch.cuda.memory_stats(self.device)
             st["cuda_memory"] = {"max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device)),
@@ -390,7 +406,7 @@ class Engine:
             # distinct experts a decode step ran per layer: with beams, the ones the beams actually used
             # (they share most of them); what a decode bound counts (config.decode_bytes_per_token)
             m = self.model
-            st["decode_experts_per_layer"] = (m.multi_row_expert_loads / m.multi_row_layer_steps
+            st["decode_experts_per_layer"] = (int(m.multi_row_expert_loads) / m.multi_row_layer_steps
                                               if m.multi_row_layer_steps else self.config.active_slots)
 
     @torch.inference_mode()
@@ -399,8 +415,7 @@ class Engine:
         prompt = self.prompt_ids(input_ids)
         if prompt.shape[0] > self.model.max_seq_len:
             raise ValueError(f"prompt of {prompt.shape[0]} tokens exceeds max_seq_len={self.model.max_seq_len}")
-        with torch_threads(self.torch_threads):
-            return self.model.forward(prompt[None].to(self.device), 0, all_logits=True)[0]
+        return self.step(prompt, rows(1, 0, prompt.shape[0]), all_logits=True)
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory the engine holds now, by part: dense (non-expert weights, packed or not, rope tables),
@@ -417,15 +432,6 @@ class Engine:
 
     def info(self) -> dict:
         """Plain facts about the engine and its executor (executor_info), and its host memory now."""
-        return {**self._info, "host_bytes": self.host_bytes(), "executor_info": _plain(self.executor.info())}
+        return {**self._info, "host_bytes": self.host_bytes(), "executor_info": plain(self.executor.info()),
+                "decode_path": self.model.decode_path(), "step_paths": dict(self.step_paths)}
 
-
-def _plain(x):
-    """Stats as plain Python (JSON-able) values."""
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    return x

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .step import Segment, rows
+
 
 @dataclass
 class GenerationOutput:
@@ -96,8 +98,11 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     length_penalty: float = 1.0,
     on_first_token: Callable[[], None] | None = None,
+    step: Callable | None = None,
 ) -> GenerationOutput:
-    """Generate from a 1-D prompt with `model` (a fiddler.model.MoETransformer)."""
+    """Generate from a 1-D prompt with `model` (a fiddler.model.MoETransformer): every forward is
+    step(tokens, segments) (fiddler.engine.Engine.step, the one engine step; default model.forward), one
+    sequence, or one per beam on KV-cache rows 0..B-1."""
     S = prompt.shape[0]
     check_lengths(S, max_new_tokens, model.cfg.max_position_embeddings, model.max_seq_len)
     if beam_width < 1:
@@ -110,12 +115,14 @@ def generate(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     prompt = prompt.to(model.device)
+    run = step or model.forward
     if beam_width == 1:
-        return _sample_loop(model, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, generator, eos, on_first_token)
-    return _beam_loop(model, prompt, max_new_tokens, beam_width, eos, length_penalty, on_first_token)
+        return _sample_loop(model, run, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, generator, eos,
+                            on_first_token)
+    return _beam_loop(model, run, prompt, max_new_tokens, beam_width, eos, length_penalty, on_first_token)
 
 
-def _sample_loop(model, prompt, n, do_sample, temperature, top_k, top_p, generator, eos, on_first_token):
+def _sample_loop(model, run, prompt, n, do_sample, temperature, top_k, top_p, generator, eos, on_first_token):
     dev, S = model.device, prompt.shape[0]
     out = torch.empty(n, dtype=torch.long)
     lat = []
@@ -124,7 +131,7 @@ def _sample_loop(model, prompt, n, do_sample, temperature, top_k, top_p, generat
         return choose_token(logits, do_sample, temperature, top_k, top_p, generator)
 
     t0 = time.perf_counter()
-    logits = model.forward(prompt[None], 0)
+    logits = run(prompt, rows(1, 0, S))
     _check_finite(logits, 0)
     tok = choose(logits)  # [1]
     _sync(dev)
@@ -135,7 +142,7 @@ def _sample_loop(model, prompt, n, do_sample, temperature, top_k, top_p, generat
     produced = 1
     while produced < n and not (eos and int(out[produced - 1]) in eos):
         t = time.perf_counter()
-        logits = model.forward(tok.view(1, 1), S + produced - 1)
+        logits = run(tok, [Segment(0, S + produced - 1, 1)])
         _check_finite(logits, produced)
         tok = choose(logits)
         out[produced] = tok.item()  # .item() syncs the device
@@ -144,7 +151,7 @@ def _sample_loop(model, prompt, n, do_sample, temperature, top_k, top_p, generat
     return GenerationOutput(tokens=out[:produced], stats={"ttft_s": ttft, "decode_latencies_s": lat, "prompt_tokens": S})
 
 
-def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
+def _beam_loop(model, run, prompt, n, B, eos, length_penalty, on_first_token):
     dev, S = model.device, prompt.shape[0]
     V = model.cfg.vocab_size
     K = max(2, 1 + len(eos)) * B  # continuations kept per step, so that B unfinished ones survive EOS
@@ -160,7 +167,7 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
     t0 = time.perf_counter()
     # One batch-1 prefill: every first-step continuation comes from row 0, so the reorder before the
     # first decode step copies row 0's cache into all beams.
-    logits = model.forward(prompt[None], 0)
+    logits = run(prompt, rows(1, 0, S))
     _check_finite(logits, 0)
     log_probs = torch.log_softmax(logits, dim=-1).expand(B, V)
     step = 0
@@ -214,7 +221,7 @@ def _beam_loop(model, prompt, n, B, eos, length_penalty, on_first_token):
             # the same entries, since each row's are computed from its own tokens alone (the kernels'
             # contract: a row's bits do not depend on the rows beside it).
             model.cache.reorder(beam_idx, S + step - 1, start=S + prefix[-2])
-        logits = model.forward(seqs[:, step - 1 : step], S + step - 1)
+        logits = run(seqs[:, step - 1].contiguous(), rows(B, S + step - 1))
         _check_finite(logits, step)
         log_probs = torch.log_softmax(logits, dim=-1)
         lat.append(time.perf_counter() - ts)

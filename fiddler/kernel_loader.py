@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import importlib
 
+#: a projection's kernel_max_tokens meaning "the kernel at every token count" (torch never serves it)
+KERNEL_EVERY_COUNT = 1 << 30
+
 
 def _module(name: str):
     """(fiddler.kernels[.name], None), or (None, why it did not import)."""

@@ -16,6 +16,7 @@ executor as expert slots after the routed ones (config.expert_slots), routed for
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,13 +25,10 @@ import torch.nn.functional as F
 from .config import MoEConfig
 from .executors.contract import ExpertExecutor
 from .executors.ffn import torch_expert
-from .kernel_loader import decode_kernels_error, load_decode_kernels, load_kernels
+from .kernel_loader import KERNEL_EVERY_COUNT, decode_kernels_error, load_decode_kernels, load_kernels
+from .step import Segment
 from .threads import torch_threads
 from .weights import ExpertWeights, ModelWeights
-
-
-#: kernel_max_tokens meaning "the kernel at every token count" (torch never serves the projection)
-KERNEL_EVERY_COUNT = 1 << 30
 
 
 class Linear:
@@ -265,6 +263,19 @@ class DecoderLayer:
         return self.router(h, out=out)
 
 
+def segment_groups(segments: Sequence[Segment]) -> list[tuple[int, int, int, int]]:
+    """The step's segments as (first cache row, rows, start, tokens per row) groups that attend in one call:
+    single tokens at one position on consecutive rows (beams: one SDPA call for all of them, as a GPU
+    wants), every other segment alone."""
+    out: list[tuple[int, int, int, int]] = []
+    for s in segments:
+        if out and s.length == 1 and out[-1][3] == 1 and out[-1][2] == s.start and sum(out[-1][:2]) == s.slot:
+            out[-1] = (out[-1][0], out[-1][1] + 1, s.start, 1)
+        else:
+            out.append((s.slot, 1, s.start, s.length))
+    return out
+
+
 class KVCache:
     """Preallocated per-layer caches [batch, heads, max_seq, dim]: keys and values of every KV head (GQA),
     or for MLA the compressed latent (in `k`, one "head" of kv_lora_rank) and the shared rope key (in `v`,
@@ -328,15 +339,26 @@ class KVCache:
             # gathered into a new tensor first, so a permutation (row a <- b, b <- a) is safe
             part.index_copy_(1, moved.to(t.device), part.index_select(1, src.to(t.device)))
 
+    def save_row(self, row: int, length: int) -> tuple[torch.Tensor, ...]:
+        """A copy of every layer's entries at positions [0, length) of cache row `row` (prefix reuse:
+        fiddler.batch.prefix_cache), in the cache's layout and devices."""
+        return tuple(t[:, row, :, :length].clone() for t in (self.k, self.v) + (self._other or ()))
+
+    def load_row(self, row: int, saved: tuple[torch.Tensor, ...], length: int) -> None:
+        """Writes the first `length` positions of `saved` (from save_row) into cache row `row`."""
+        for t, s in zip((self.k, self.v) + (self._other or ()), saved):
+            t[:, row, :, :length].copy_(s[:, :, :length])
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v) + (self._other or ()))
 
 
 class MoETransformer:
-    """The decoder. `forward(tokens[B, T], start_pos)` appends to the KV cache and returns logits.
+    """The decoder. `forward(tokens, segments)` runs one engine step: it appends each sequence's tokens to
+    its KV-cache row and returns logits.
 
-    Decode fast path: for one new token per row (T == 1) in bf16 on the CPU with GQA attention, the
+    Decode fast path: for one new token per sequence in bf16 on the CPU with GQA attention, the
     per-token small ops (RMSNorms, rope, KV-cache write, attention) run as single calls into the C++
     kernel library (fiddler.kernels.decode) instead of ~40 torch ops per layer (q/k norms, where the
     family has them, run in torch on the projection's output first). RMSNorm, rope and the cache
@@ -417,13 +439,16 @@ class MoETransformer:
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
         self._kernel_norm = None  # fiddler.kernels.decode.rms_norm where the decode kernels are bound
         self._decode_ops, why = self._make_decode_ops(use_kernel)
+        self._decode_ops_error = why
         if decode_fastpath and self._decode_ops is None:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
         self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
         # Distinct experts used per layer in decode steps with several rows (beams share experts), for
-        # the decode bound; with one row it is top_k (+ shared slots) and is not counted.
+        # the decode bound (a tensor on the experts' device once counted; read once per generate); with one
+        # row it is top_k (+ shared slots) and is not counted.
         self.multi_row_expert_loads = 0
         self.multi_row_layer_steps = 0
+        self.last_path: str | None = None  # the path the last forward took (fiddler.step.PATHS)
 
     def _make_decode_ops(self, use_kernel: bool | None):
         """(fiddler.kernels.decode.DecodeAttention bound to this model's cache, None) or (None, why not)."""
@@ -525,12 +550,6 @@ class MoETransformer:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=nh != nkv)
         return o.reshape(B, nh, T, -1).transpose(1, 2).reshape(B * T, -1)
 
-    def _attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, qkv_proj, o_proj):
-        """GQA attention of layer i (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE)."""
-        o = self._gqa_core(i, self._gqa_qkv(i, h, qkv_proj), B, T, pos)
-        main = h.device == self.device
-        return o_proj(o, out=self._buf("o", (B * T, self.cfg.hidden_size), self.dtype) if main else None)
-
     def _gqa_qkv(self, i: int, h: torch.Tensor, qkv_proj) -> torch.Tensor:
         """The fused q/k/v projection of rows h [N, H] (+ q/k norms, clip): [N, (nh + 2 nkv) d]."""
         cfg, layer = self.cfg, self.layers[i]
@@ -586,66 +605,24 @@ class MoETransformer:
         o = self._sdpa(query, keys, values, B, T, pos, nh)
         return self.layers[i].o_proj(o)
 
-    def _attend(self, i: int, h: torch.Tensor, B: int, T: int, pos: int) -> torch.Tensor:
-        layer = self.layers[i]
-        if layer.mla is not None:
-            return self._mla_attention(i, h, B, T, pos)
-        return self._attention(i, h, B, T, pos, layer.qkv_proj, layer.o_proj)
-
-    def _attend_segments(self, i: int, h: torch.Tensor, segments) -> torch.Tensor:
-        """Attention of layer i for the flat rows h [N, H] of several sequences (Segment: slot, start, length,
-        in row order): the projections run once on all rows, rope / cache / attention per sequence with its
-        own cache row and positions."""
+    def _attend(self, i: int, h: torch.Tensor, groups: list[tuple[int, int, int, int]]) -> torch.Tensor:
+        """Attention of layer i for the flat rows h [N, H] of a step's sequences (segment_groups: first cache
+        row, rows, start, tokens per row, in row order): the projections run once on all rows, rope / cache /
+        attention per group with its own cache rows and positions."""
         layer = self.layers[i]
         outs, r = [], 0
         if layer.mla is not None:
-            for seg in segments:
-                outs.append(self._mla_attention(i, h[r : r + seg.length], 1, seg.length, seg.start, seg.slot))
-                r += seg.length
+            for row, B, start, T in groups:
+                outs.append(self._mla_attention(i, h[r : r + B * T], B, T, start, row))
+                r += B * T
             return torch.cat(outs) if len(outs) > 1 else outs[0]
         qkv = self._gqa_qkv(i, h, layer.qkv_proj)
-        for seg in segments:
-            outs.append(self._gqa_core(i, qkv[r : r + seg.length], 1, seg.length, seg.start, seg.slot))
-            r += seg.length
+        for row, B, start, T in groups:
+            outs.append(self._gqa_core(i, qkv[r : r + B * T], B, T, start, row))
+            r += B * T
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         main = h.device == self.device
         return layer.o_proj(o, out=self._buf("o", (h.shape[0], self.cfg.hidden_size), self.dtype) if main else None)
-
-    @torch.inference_mode()
-    def forward_segments(self, tokens: torch.Tensor, segments, want_logits=None) -> torch.Tensor:
-        """Several sequences in one forward (continuous batching, fiddler.batch): `tokens` [N] holds the
-        segments' tokens back to back; segment s (a Segment: slot, start, length) appends its `length`
-        tokens at positions start.. of KV-cache row `slot`. The router and the experts see all N tokens at
-        once (the executor plans the whole step). Returns fp32 logits [n, V] of the last token of each
-        segment with want_logits[s] (default: every segment), in order."""
-        N = tokens.shape[0]
-        if sum(s.length for s in segments) != N:
-            raise ValueError(f"segments cover {sum(s.length for s in segments)} tokens, got {N}")
-        for s in segments:
-            if not 0 <= s.slot < self.max_batch:
-                raise ValueError(f"slot {s.slot} outside the KV cache's rows [0, {self.max_batch})")
-            if s.length < 1 or s.start < 0 or s.start + s.length > self.max_seq_len:
-                raise ValueError(f"segment at {s.start} of {s.length} tokens outside the KV cache (max_seq_len="
-                                 f"{self.max_seq_len})")
-        if len({s.slot for s in segments}) != len(segments):
-            raise ValueError("two segments on the same cache row")
-        eps = self.cfg.rms_norm_eps
-        norm = rms_norm_f32 if self.fp32_quant_acts else self._norm
-        with torch_threads(self.torch_linear_threads if self._torch_serves_linears(N) else None):
-            if self._fused_decode(N // len(segments), tokens.device) and N == len(segments):
-                # one token per sequence: the fused decode step, row by row
-                pos = torch.tensor([s.start for s in segments], dtype=torch.int64)
-                rows = torch.tensor([s.slot for s in segments], dtype=torch.int64)
-                logits = self._decode_step(tokens.view(N, 1), pos, False, rows)
-                return logits if want_logits is None else logits[torch.as_tensor(want_logits, dtype=torch.bool)]
-            x = F.embedding(tokens.to(self.embed.device), self.embed)  # [N, H]
-            x = self._layers(x, lambda i, h: self._attend_segments(i, h, segments),
-                             lambda x, w, _buf: norm(x, w, eps), False)
-            ends = torch.tensor([0] + [s.length for s in segments]).cumsum(0)[1:] - 1
-            if want_logits is not None:
-                ends = ends[torch.as_tensor(want_logits, dtype=torch.bool)]
-            x = x.to(self.norm.device)[ends.to(self.norm.device)]
-            return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32)
 
     # ------------------------------------------------------------------ MLP / MoE
 
@@ -678,7 +655,10 @@ class MoETransformer:
         if h.dtype != self.dtype and not self.executor.fp32_inputs:
             h = h.to(self.dtype)
         if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
-            self.multi_row_expert_loads += int((torch.bincount(idx.flatten(), minlength=self.cfg.expert_slots) > 0).sum())
+            # marked in a device tensor and summed there: no host sync (bincount would size its output on the host)
+            seen = torch.zeros(self.cfg.expert_slots, dtype=torch.int32, device=idx.device)
+            seen[idx.flatten()] = 1
+            self.multi_row_expert_loads = seen.sum() + self.multi_row_expert_loads
             self.multi_row_layer_steps += 1
         j = layer.moe_index
         if h.device != self.device:  # a layer whose dense part lives on the CPU: experts see the GPU side
@@ -689,21 +669,27 @@ class MoETransformer:
         self.executor.after_moe(j, x)
         return x
 
-    def _decode_step(self, tokens: torch.Tensor, pos: int, all_logits: bool, rows: torch.Tensor | None = None
+    def _decode_step(self, tokens: torch.Tensor, groups: list[tuple[int, int, int, int]], all_logits: bool
                      ) -> torch.Tensor:
-        """forward() for T == 1 with the fused kernels (see the class docstring); same results contract.
-        With `rows` (continuous batching): row b's token sits at position pos[b] of cache row rows[b]."""
+        """The step when every sequence adds one token, with the fused kernels (see the class docstring); same
+        results contract. Rows 0..B-1 at one position (a request, or its beams) take the kernel's one-position
+        call, others (continuous batching) its per-row call: the same bits per row either way."""
         cfg, eps, dt = self.cfg, self.cfg.rms_norm_eps, self.dtype
         B, H = tokens.shape[0], cfg.hidden_size
         norm, attend = self._kernel_norm, self._decode_ops
         if attend.k_cache is not self.cache.k or attend.v_cache is not self.cache.v:
             raise RuntimeError("the KV cache was replaced after the decode kernels were bound to it")
+        if len(groups) == 1 and groups[0][0] == 0:
+            pos, rows = groups[0][2], None
+        else:
+            pos = torch.tensor([g[2] for g in groups for _ in range(g[1])], dtype=torch.int64)
+            rows = torch.tensor([g[0] + b for g in groups for b in range(g[1])], dtype=torch.int64)
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_ops = cfg.qk_norm is not None or cfg.clip_qkv is not None
         buf_n1, buf_n2 = self._buf("norm1", (B, H), dt), self._buf("norm2", (B, H), dt)
         buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
-        x = F.embedding(tokens.reshape(-1), self.embed)  # [B, H]
+        x = F.embedding(tokens, self.embed)  # [B, H]
         f32 = self.fp32_quant_acts
 
         def fused_attention(i: int, h: torch.Tensor) -> torch.Tensor:
@@ -717,31 +703,62 @@ class MoETransformer:
         def fused_norm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
             return rms_norm_f32(x, w, eps) if f32 else norm(x, w, eps, out=buf)
 
-        x = self._layers(x, fused_attention, fused_norm, B > 1 and rows is None, (buf_n1, buf_n2))
+        x = self._layers(x, fused_attention, fused_norm, B > 1, (buf_n1, buf_n2))
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
-        if all_logits:
-            return self.lm_head(xn, out_dtype=torch.float32).view(B, 1, -1)
         # Note: decode logits live in a reused buffer, valid until the next forward call.
-        return self.lm_head(xn, out_dtype=torch.float32, out=self._buf("logits", (B, cfg.vocab_size), torch.float32))
+        return self.lm_head(xn, out_dtype=torch.float32,
+                            out=None if all_logits else self._buf("logits", (B, cfg.vocab_size), torch.float32))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
-        """tokens [B, T] at positions start_pos.. -> fp32 logits [B, V] of the last position
-        (or [B, T, V] with all_logits)."""
-        B, T = tokens.shape
-        if start_pos + T > self.max_seq_len:
-            raise ValueError(f"sequence length {start_pos + T} exceeds the KV cache size max_seq_len={self.max_seq_len}")
-        if B > self.max_batch:
-            raise ValueError(f"batch {B} exceeds max_batch={self.max_batch}")
-        with torch_threads(self.torch_linear_threads if self._torch_serves_linears(B * T) else None):
-            if self._fused_decode(T, tokens.device):
-                return self._decode_step(tokens, start_pos, all_logits)
-            return self._forward(tokens, start_pos, all_logits)
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], *, all_logits: bool = False
+                ) -> torch.Tensor:
+        """The one forward: every sequence of an engine step at once. `tokens` [N] holds the segments' tokens
+        back to back; segment s (fiddler.step.Segment) appends its `length` tokens at positions start.. of
+        KV-cache row `slot`. The router and the experts see all N tokens (the executor plans each layer once
+        for the whole step). Returns fp32 logits [n, V] of the last token of each segment with `logits` set,
+        in order (all_logits: [N, V], every position). Decode logits may live in a reused buffer, valid
+        until the next forward. `last_path` says which path ran (fiddler.step.PATHS)."""
+        N = self._check_segments(tokens, segments)
+        groups = segment_groups(segments)
+        with torch_threads(self.torch_linear_threads if self._torch_serves_linears(N) else None):
+            if N == len(segments) and self._fused_decode(tokens.device):
+                self.last_path = "fused_decode"
+                logits = self._decode_step(tokens, groups, all_logits)
+                if all_logits or all(s.logits for s in segments):
+                    return logits
+                return logits[torch.tensor([s.logits for s in segments])]
+            self.last_path = "general"
+            return self._forward(tokens, segments, groups, all_logits)
 
-    def _fused_decode(self, tokens_per_row: int, device: torch.device) -> bool:
-        """The one rule for the fused CPU decode step: one new token per row, its kernels bound (bf16, CPU,
-        GQA, one device: see _make_decode_ops) and not switched off (decode_fastpath)."""
-        return tokens_per_row == 1 and self.decode_fastpath and self._decode_ops is not None and device.type == "cpu"
+    def decode_path(self) -> dict:
+        """The path a decode step takes here (fiddler.step.PATHS), and why where it is not the fused one."""
+        if self._fused_decode(self.device):
+            return {"path": "fused_decode"}
+        why = "decode_fastpath is off" if self._decode_ops is not None else self._decode_ops_error
+        return {"path": "general", "why": why or f"the model's device is {self.device.type}"}
+
+    def _check_segments(self, tokens: torch.Tensor, segments: Sequence[Segment]) -> int:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D (the segments' tokens back to back), got shape {tuple(tokens.shape)}")
+        N = tokens.shape[0]
+        if not segments or sum(s.length for s in segments) != N:
+            raise ValueError(f"segments cover {sum(s.length for s in segments)} tokens, got {N}")
+        for s in segments:
+            if not 0 <= s.slot < self.max_batch:
+                raise ValueError(f"cache row {s.slot} outside the KV cache's rows [0, max_batch={self.max_batch})")
+            if s.length < 1 or s.start < 0:
+                raise ValueError(f"segment of {s.length} tokens at position {s.start}")
+            if s.start + s.length > self.max_seq_len:
+                raise ValueError(f"sequence length {s.start + s.length} exceeds the KV cache size "
+                                 f"max_seq_len={self.max_seq_len}")
+        if len({s.slot for s in segments}) != len(segments):
+            raise ValueError("two segments on the same cache row")
+        return N
+
+    def _fused_decode(self, device: torch.device) -> bool:
+        """The one rule for the fused CPU decode step (its caller: every sequence adds one token): the kernels
+        bound (bf16, CPU, GQA, one device: see _make_decode_ops) and not switched off (decode_fastpath)."""
+        return self.decode_fastpath and self._decode_ops is not None and device.type == "cpu"
 
     def _layers(self, x: torch.Tensor, attention, norm, count_rows: bool, bufs=(None, None)) -> torch.Tensor:
         """The one layer loop every forward runs: x + attention(norm(x)), then x + MoE/MLP(norm(x)), layer by
@@ -762,17 +779,22 @@ class MoETransformer:
                    None)
         return lin is not None and lin.uses_torch(rows)
 
-    def _forward(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
-        B, T = tokens.shape
+    def _forward(self, tokens: torch.Tensor, segments: Sequence[Segment], groups, all_logits: bool) -> torch.Tensor:
+        """The general path: the ops every device and dtype runs (prefill, chunks, fp32, a GPU side)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         norm = rms_norm_f32 if self.fp32_quant_acts else self._norm  # final norm: bf16 into the bf16 lm_head
-        x = F.embedding(tokens.reshape(-1).to(self.embed.device), self.embed)  # [B*T, H]
-        x = self._layers(x, lambda i, h: self._attend(i, h, B, T, start_pos), lambda x, w, _buf: norm(x, w, eps),
-                         T == 1 and B > 1)
+        x = F.embedding(tokens.to(self.embed.device), self.embed)  # [N, H]
+        decode_rows = len(segments) if len(segments) == tokens.shape[0] else 0
+        x = self._layers(x, lambda i, h: self._attend(i, h, groups), lambda x, w, _buf: norm(x, w, eps),
+                         decode_rows > 1)
         x = x.to(self.norm.device)
         if all_logits:
-            return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32).view(B, T, -1)
-        x = x.view(B, T, -1)[:, -1].contiguous()
+            return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32)
+        if not decode_rows:
+            ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
+            x = x[ends[torch.tensor([s.logits for s in segments])].to(x.device)]
+        elif not all(s.logits for s in segments):
+            x = x[torch.tensor([s.logits for s in segments], device=x.device)]
         # Note: decode logits live in a reused buffer, valid until the next forward call.
         return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32,
-                            out=self._buf("logits", (B, cfg.vocab_size), torch.float32))
+                            out=self._buf("logits", (x.shape[0], cfg.vocab_size), torch.float32))

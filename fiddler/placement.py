@@ -288,3 +288,15 @@ def parse_placement(spec: str) -> tuple[str, dict[str, Any]]:
         except ValueError:
             pass
     raise ValueError(f"bad placement {spec!r}; use popularity, random, all, none or fraction:<0..1>")
+
+
+
+def place_spec(spec, config, dtype: torch.dtype, budget_bytes: int | None, *, popularity, **kw) -> Placement:
+    """A Placement as given, or `spec` (see parse_placement) placed by `place` with the model's popularity
+    profile (fiddler.popularity.Popularity.for_config): the one step from a configured placement to
+    resident experts, for the executor and its simulator alike."""
+    if isinstance(spec, Placement):
+        return spec
+    strategy, skw = parse_placement(spec)
+    return place(config, dtype, budget_bytes, strategy=strategy, popularity=Popularity.for_config(config, popularity),
+                 **kw, **skw)

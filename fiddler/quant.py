@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .integrity import check_gguf_file, tensors_sha256, warn_rebuild
+from .kernel_loader import KERNEL_EVERY_COUNT
 from .kernels import constants as kc
 from .kernels.constants import BLOCK_BYTES, QK  # noqa: F401 -- llama.cpp's block sizes, shared with the kernel
 
@@ -79,7 +80,7 @@ def dequantize_blocks(blocks: torch.Tensor, quant: str, cols: int, dtype: torch.
 class QuantizedLinear:
     """Drop-in for fiddler.model.Linear on quantized weights (the CPU kernel at every token count)."""
 
-    kernel_max_tokens: int = 1 << 30
+    kernel_max_tokens: int = KERNEL_EVERY_COUNT
 
     def __init__(self, blocks: torch.Tensor, quant: str, out_features: int, in_features: int):
         self.packed = _kq().QuantLinear(blocks, quant, out_features, in_features)

@@ -24,6 +24,8 @@ regress.py measuring one ratio on each tree (an older regress.py may lack --meas
 
 Its reading is the last stdout line that is a number, or with --key NAME the last line that is a JSON
 object holding NAME (a dotted NAME such as a.b reads {"a": {"b": ...}} where there is no key "a.b").
+--key may be given several times: every run is read for each, and each key gets its own rounds, verdict
+and (--json) final line, from the same runs (one command measuring several rates once per side per round).
 Readings must be >= 0 (they are divided). A run that fails or prints no reading stops everything: exit 2,
 naming the side, the round, the exit code and the tail of its stderr.
 
@@ -134,8 +136,9 @@ def _lookup(obj, key: str):
     return _lookup(obj.get(first), rest) if dot and first in obj else None
 
 
-def run_side(cmd: list[str], side: str, tree: Path, rnd: int, key: str | None, timeout: float | None,
-             trees: dict[str, Path]) -> float:
+def run_side(cmd: list[str], side: str, tree: Path, rnd: int, keys: list[str | None], timeout: float | None,
+             trees: dict[str, Path]) -> dict[str | None, float]:
+    """One run of the command on one side: its reading for each key."""
     env = {**os.environ, "AB_SIDE": side, "AB_TREE": str(tree), "AB_ROUND": str(rnd), "AB_PYTHON": sys.executable,
            "AB_BASE_TREE": str(trees["base"]), "AB_HEAD_TREE": str(trees["head"]),
            "PYTHONPATH": os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
@@ -150,14 +153,17 @@ def run_side(cmd: list[str], side: str, tree: Path, rnd: int, key: str | None, t
         raise CommandFailed(f"{where} could not start: {e}") from None
     if p.returncode != 0:
         raise CommandFailed(f"{where} failed with exit code {p.returncode}{_tail(p.stderr, 'stderr')}")
-    v = reading(p.stdout, key)
-    if v is None:
-        wanted = f"a JSON object line with {key!r}" if key else "a line that is a number"
-        raise CommandFailed(f"{where} exited 0 but printed no reading ({wanted})"
-                            f"{_tail(p.stdout, 'stdout')}{_tail(p.stderr, 'stderr')}")
-    if v < 0:
-        raise CommandFailed(f"{where} read {v!r}: readings must be >= 0 to be divided")
-    return v
+    out = {}
+    for key in keys:
+        v = reading(p.stdout, key)
+        if v is None:
+            wanted = f"a JSON object line with {key!r}" if key else "a line that is a number"
+            raise CommandFailed(f"{where} exited 0 but printed no reading ({wanted})"
+                                f"{_tail(p.stdout, 'stdout')}{_tail(p.stderr, 'stderr')}")
+        if v < 0:
+            raise CommandFailed(f"{where} read {v!r}: readings must be >= 0 to be divided")
+        out[key] = v
+    return out
 
 
 def _tail(text: str, name: str) -> str:
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the revision to compare with (anything git rev-parse takes)")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"alternations of the two sides (default {ROUNDS})")
-    ap.add_argument("--key", help="read NAME from the last JSON object line holding it (dotted: nested)")
+    ap.add_argument("--key", action="append", help="read NAME from the last JSON object line holding it (dotted: "
+                    "nested); several --key: each judged on its own, from the same runs")
     ap.add_argument("--tolerance", type=float, default=0.0, metavar="PCT",
                     help="the least change, in percent, that may count as changed (default 0: the noise alone)")
     ap.add_argument("--json", action="store_true", help="also print one final JSON line with everything")
@@ -232,22 +239,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ab: base {args.base} = {sha[:12]}, exported to {base_tree}"
               + ("" if args.no_build else " and built"))
         print(f"ab: head = working tree {head_tree} (HEAD {head_sha}, {dirty} uncommitted change(s))")
-        print(f"ab: command: {shown}" + (f"  [reading --key {args.key}]" if args.key else ""))
+        keys = args.key or [None]
+        print(f"ab: command: {shown}" + (f"  [reading --key {', '.join(keys)}]" if args.key else ""))
         print(f"ab: {args.rounds} round(s), ABBA order\n")
-        print(f"{'round':>5}  {'base':>12}  {'head':>12}  {'head/base':>9}")
-        base_v: list[float] = []
-        head_v: list[float] = []
-        sides = (("base", base_tree, base_v), ("head", head_tree, head_v))
+        named = len(keys) > 1
+        print(f"{'round':>5}  " + (f"{'key':<24}  " if named else "") + f"{'base':>12}  {'head':>12}  {'head/base':>9}")
+        readings = {k: {"base": [], "head": []} for k in keys}
+        sides = (("base", base_tree), ("head", head_tree))
         try:
             for rnd in range(1, args.rounds + 1):
-                for side, tree, store in (sides if rnd % 2 else sides[::-1]):
-                    store.append(run_side(cmd, side, tree, rnd, args.key, args.timeout,
-                                          {"base": base_tree, "head": head_tree}))
-                r = _ratio(head_v[-1], base_v[-1])
-                print(f"{rnd:>5}  {base_v[-1]:>12.6g}  {head_v[-1]:>12.6g}  {r:>9.4f}", flush=True)
+                for side, tree in (sides if rnd % 2 else sides[::-1]):
+                    got = run_side(cmd, side, tree, rnd, keys, args.timeout, {"base": base_tree, "head": head_tree})
+                    for k in keys:
+                        readings[k][side].append(got[k])
+                for k in keys:
+                    b, h = readings[k]["base"][-1], readings[k]["head"][-1]
+                    print(f"{rnd:>5}  " + (f"{k:<24}  " if named else "") + f"{b:>12.6g}  {h:>12.6g}  "
+                          f"{_ratio(h, b):>9.4f}", flush=True)
         except CommandFailed as e:
             print(f"ab: {e}", file=sys.stderr)
             return 2
+    changed = False
+    for k in keys:
+        if named:
+            print(f"\n== {k}", end="")
+        changed |= report(args, k, readings[k]["base"], readings[k]["head"], sha, head_tree, head_sha, dirty, shown)
+    return 1 if args.fail_on_change and changed else 0
+
+
+def report(args, key, base_v: list[float], head_v: list[float], sha: str, head_tree: Path, head_sha: str, dirty: int,
+           shown: str) -> bool:
+    """One key's verdict, printed (and its JSON line with --json); True when changed."""
     v = verdict(base_v, head_v, tolerance=args.tolerance / 100)
     nz = v["noise"]
     print(f"\nmedian head/base {v['median_ratio']:.4f}; noise band +-{100 * v['band']:.2f}% (the larger of: "
@@ -258,14 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {"base": {"rev": args.base, "commit": sha, "readings": base_v},
                "head": {"tree": str(head_tree), "commit": head_sha, "uncommitted": dirty, "readings": head_v},
-               "command": shown, "key": args.key,
+               "command": shown, "key": key,
                **{k: v[k] for k in ("rounds", "median_ratio", "band", "noise", "tolerance", "agree",
                                     "agree_needed", "changed", "direction", "verdict", "why")},
                "ratios": [_num(r) for r in v["ratios"]]}
         out["median_ratio"], out["band"] = _num(out["median_ratio"]), _num(out["band"])
         out["noise"] = {k: _num(x) for k, x in out["noise"].items()}
         print(json.dumps(out))
-    return 1 if args.fail_on_change and v["changed"] else 0
+    return v["changed"]
 
 
 if __name__ == "__main__":

@@ -104,19 +104,18 @@ class Patches:
 
 def engine_runner(path, max_seq: int, threads: int | None, sec: Sections):
     from fiddler import Engine
-    from fiddler.threads import torch_threads
+    from fiddler.step import rows
 
     engine = Engine.from_pretrained(path, cpu_threads=threads, max_seq_len=max_seq, max_batch=1)
     p = instrument_engine(engine, sec)
 
     def prefill(ids):
-        with torch_threads(engine._torch_threads):
-            engine.model.forward(ids[None], 0)
+        engine.step(ids, rows(1, 0, ids.shape[0]))
 
     info = {"executor": engine.info()["executor_info"].get("cpu_expert_path"),
             "kernel_max_tokens": engine.info()["kernel_max_tokens"],
             # torch's threads beside the kernel, and where torch serves the linears (a long prefill)
-            "torch_threads_in_run": engine._torch_threads or torch.get_num_threads(),
+            "torch_threads_in_run": engine.torch_threads or torch.get_num_threads(),
             "torch_threads_torch_linears": engine.model.torch_linear_threads}
     return prefill, info, p
 

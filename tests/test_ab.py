@@ -214,6 +214,20 @@ def test_key_reads_the_json_line(toy, capsys, monkeypatch):
     assert rc == 2 and "printed no reading (a JSON object line with 'missing')" in err and "round 1" in err
 
 
+
+def test_several_keys_are_each_judged_from_the_same_runs(toy, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TOY_JSON", "1")
+    log = tmp_path / "runs.log"
+    cmd = [f"echo run >> {log}; {sys.executable} toy.py"]
+    rc, out, err = run_ab(toy, capsys, "--key", "m.v", "--key", "other", "--json", "--fail-on-change", value=50,
+                          cmd=cmd)
+    assert len(log.read_text().splitlines()) == 10  # 5 rounds x 2 sides, read for both keys
+    finals = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    assert [(j["key"], j["verdict"]) for j in finals] == [("m.v", "changed (head/base lower)"),
+                                                           ("other", "within noise")]
+    assert finals[1]["median_ratio"] == pytest.approx(1.0) and "== other" in out
+    assert rc == 1  # one key changed
+
 def test_a_failing_command_names_side_round_exit_code_and_stderr(toy, capsys):
     cmd = ['if [ "$AB_SIDE" = head ] && [ "$AB_ROUND" = 2 ]; then echo "boom: head broke" >&2; exit 3; fi; echo 1']
     rc, out, err = run_ab(toy, capsys, cmd=cmd)

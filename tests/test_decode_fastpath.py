@@ -21,6 +21,7 @@ from fiddler import Engine
 from fiddler.config import MoEConfig
 from fiddler.executors import GpuSide, LocalExperts, local_executor
 from fiddler.model import rms_norm, rope_tables, rotate_half
+from fiddler.step import rows
 from tests.models import ARCHS, model_path, prompt
 
 kd = pytest.importorskip("fiddler.kernels.decode")
@@ -220,9 +221,9 @@ def teacher_forced_logits(e: Engine, fast: bool, ids: torch.Tensor, feed: list[i
     m = e.model
     m.decode_fastpath = fast
     try:
-        out = [m.forward(ids[None], 0).clone()]
+        out = [m.forward(ids, rows(1, 0, ids.shape[0])).clone()]
         for s, t in enumerate(feed):
-            out.append(m.forward(torch.tensor([[t]]), ids.shape[0] + s).clone())
+            out.append(m.forward(torch.tensor([t]), rows(1, ids.shape[0] + s)).clone())
     finally:
         m.decode_fastpath = True
     return torch.stack(out)

@@ -49,10 +49,13 @@ class ToyModel:
         g = torch.Generator().manual_seed(hash((self.seed, tuple(history))) % (2**31))
         return torch.randn(self.vocab, generator=g) * 3
 
-    def forward(self, tokens, start_pos):
-        B, T = tokens.shape
-        self.cache.hist[:B, start_pos : start_pos + T] = tokens
-        out = torch.stack([self.logits_for(self.cache.hist[b, : start_pos + T].tolist()) for b in range(B)])
+    def forward(self, tokens, segments):  # MoETransformer.forward's contract: segments' tokens back to back
+        out, r = [], 0
+        for s in segments:
+            self.cache.hist[s.slot, s.start : s.start + s.length] = tokens[r : r + s.length]
+            out.append(self.logits_for(self.cache.hist[s.slot, : s.start + s.length].tolist()))
+            r += s.length
+        out = torch.stack(out)
         if self.nan_at_step is not None and self.calls == self.nan_at_step:
             out[0, 1] = float("nan")
         self.calls += 1

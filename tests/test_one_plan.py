@@ -39,7 +39,6 @@ class Counts:
         ex, model = e.executor, e.model
         self._undo = []
         self._wrap(model, "forward", "steps")
-        self._wrap(model, "forward_segments", "steps")
         self._wrap(ex, "forward", "moe_calls")
         self._wrap(ex, "planner", "plans")
         self.layers = e.config.num_moe_layers
@@ -124,3 +123,41 @@ def test_the_batch_engine_uses_only_the_engines_public_names():
                 if name in ("engine", "e", "eng"):
                     private.append(f"{path.name}:{node.lineno} {name}.{node.attr}")
     assert private == []
+
+
+def test_the_model_has_one_layer_loop_and_one_fused_decode_rule():
+    """model.py (issue 46): every forward runs the layers through `_layers`, the only caller of the MoE block;
+    whether a step takes the fused decode kernels is `_fused_decode`, asked by forward (and reported by
+    decode_path) only."""
+    import ast
+    import pathlib
+
+    import fiddler.model
+
+    tree = ast.parse(pathlib.Path(fiddler.model.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MoETransformer")
+
+    def callers(name: str) -> list[str]:
+        return sorted({f.name for f in cls.body if isinstance(f, ast.FunctionDef) for n in ast.walk(f)
+                       if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name})
+
+    assert callers("_moe") == ["_layers"]
+    assert callers("_layers") == ["_decode_step", "_forward"]
+    assert callers("_fused_decode") == ["decode_path", "forward"]
+    loops = [f.name for f in cls.body if isinstance(f, ast.FunctionDef) for n in ast.walk(f)
+             if isinstance(n, ast.For) and "self.layers" in ast.unparse(n.iter)]
+    assert loops == ["_layers"]
+
+
+def test_the_step_reports_its_path():
+    e = engine("cpu")
+    out = e.generate(prompt(5, e.config.vocab_size, seed=3), max_new_tokens=4)
+    assert out.stats["step_paths"] == {"fused_decode": 3, "general": 1}
+    assert e.info()["decode_path"] == {"path": "fused_decode"}
+    e.model.decode_fastpath = False
+    try:
+        out = e.generate(prompt(5, e.config.vocab_size, seed=3), max_new_tokens=4)
+        assert out.stats["step_paths"] == {"fused_decode": 0, "general": 4}
+        assert e.info()["decode_path"] == {"path": "general", "why": "decode_fastpath is off"}
+    finally:
+        e.model.decode_fastpath = True

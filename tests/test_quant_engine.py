@@ -13,6 +13,7 @@ from fiddler.config import MoEConfig
 from fiddler.executors import FiddlerPolicy, local_executor
 from fiddler.gpu_side import GpuSide
 from fiddler.placement import place
+from fiddler.step import rows
 from fiddler.weights import load_weights
 from tests.models import model_path, prompt
 
@@ -265,8 +266,8 @@ def test_quantized_matmuls_get_fp32_activations_like_llama_cpp(tmp_path):
     m.layers[0].qkv_proj = lambda x, **kw: (seen.append(x.dtype), qkv(x, **kw))[1]
     ids = prompt(12, 512)
     full = e.forward_logits(ids)
-    m.forward(ids[None, :-1], 0)
-    step = m.forward(ids[None, -1:], 11).clone()  # the fused decode step
+    m.forward(ids[:-1], rows(1, 0, 11))
+    step = m.forward(ids[-1:], rows(1, 11)).clone()  # the fused decode step
     assert m.decode_fastpath and set(seen) == {torch.float32}
     assert ((step[0] - full[-1]).norm() / full[-1].norm()).item() < 2e-2
     # the bf16 engine is untouched

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fiddler.executors.routing import ExpertGroups, Scratch, SlotOutputs
+from fiddler.executors.routing import ExpertGroups, Scratch, SlotOutputs, fixed_size_counts
 
 
 def scatter_then_sum(T, K, tok, slot, y, w):
@@ -70,3 +70,15 @@ def test_scratch_reuses_a_buffer_per_name_and_grows_it():
     x = torch.arange(40.0).view(10, 4)
     idx = torch.tensor([9, 0, 3, 3])
     assert torch.equal(s.gather("g", x, idx), x.index_select(0, idx))
+
+
+def test_fixed_size_counts_are_bincounts_and_reject_bad_ids():
+    """The GPU's way of counting (no sync to size the output) gives the CPU's counts; checked here on CPU
+    tensors."""
+    g = torch.Generator().manual_seed(0)
+    for n, E in ((1, 8), (37, 8), (500, 64)):
+        flat = torch.randint(0, E, (n,), generator=g)
+        assert fixed_size_counts(flat, E, 0) == torch.bincount(flat, minlength=E).tolist()
+    for bad in (8, -1, 100):
+        with pytest.raises(ValueError, match=f"got {bad} \\(layer 3\\)"):
+            fixed_size_counts(torch.tensor([1, bad, 2]), 8, 3)

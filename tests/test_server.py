@@ -74,6 +74,7 @@ def test_64_concurrent_requests_complete_and_metrics_agree(server):
     assert delta('fiddler_requests_total{route="completions",outcome="ok"}') == 32
     assert delta('fiddler_requests_total{route="chat",outcome="ok"}') == 32
     assert delta("fiddler_time_to_first_token_seconds_count") == 64
+    assert delta("fiddler_inter_token_latency_seconds_count") == sum(i % 7 for i in range(64))  # n - 1 gaps each
     assert after["fiddler_requests_running"] == after["fiddler_requests_waiting"] == 0
 
 

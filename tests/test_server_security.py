@@ -206,3 +206,41 @@ def test_oversized_headers_are_refused():
                 pass
         assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
         assert get_ok(port)
+
+
+def test_the_api_key_check():
+    from fiddler.server.guard import key_accepted
+
+    lim = Limits(api_key="s3cret")
+    ok = {"host": "127.0.0.1:1", "content-type": "application/json"}
+    check("POST", {**ok, "authorization": "Bearer s3cret"}, lim, "/v1/completions")
+    check("GET", {"host": "127.0.0.1:1"}, lim, "/health")  # open: a probe needs no key
+    for auth in (None, "Bearer wrong", "Basic s3cret", "Bearer", "s3cret"):
+        with pytest.raises(APIError) as e:
+            check("POST", {**ok, **({"authorization": auth} if auth else {})}, lim, "/v1/completions")
+        assert (e.value.status, e.value.code) == (401, "invalid_api_key")
+    with pytest.raises(APIError):
+        check("GET", {"host": "127.0.0.1:1"}, lim, "/metrics")
+    assert key_accepted("bearer  s3cret ", "s3cret") and "s3cret" not in repr(lim)
+
+
+@pytest.mark.slow
+def test_a_server_with_an_api_key_answers_401_without_it_and_never_logs_it(monkeypatch):
+    from tests.server_helpers import request, running_server
+
+    key = "k-" + "7f3a9c" * 4
+    monkeypatch.setenv("FIDDLER_API_KEY", key)
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    with running_server("--host", "127.0.0.1") as (proc, port):
+        assert request(port, "POST", "/v1/completions", body)[0] == 401
+        status, _h, err = request(port, "POST", "/v1/completions", body,
+                                  headers={"Content-Type": "application/json", "Authorization": "Bearer nope"})
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+        auth = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        status, _h, out = request(port, "POST", "/v1/completions", body, headers=auth)
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+        assert request(port, "GET", "/health")[0] == 200
+        assert request(port, "GET", "/v1/models")[0] == 401
+        assert request(port, "GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})[0] == 200
+    log = proc.stdout.read()
+    assert "serving" in log and key not in log  # the server's own lines, without the key

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from ..generate import check_lengths, choose_token
+from ..step import Segment
 from ..threads import torch_threads
+from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .request import QueueFull, Request, SamplingParams
 from .scheduler import Scheduler, Work
 
@@ -36,7 +38,7 @@ DEFAULT_MAX_QUEUE = 256
 @dataclass
 class StepStats:
     """One engine step: its tokens (decode / prefill), requests, experts run by decision kind (a: resident
-    on the GPU, b: copied in, c: on the CPU) with the tokens they took, and its wall time."""
+    on the GPU, b: copied in, c: on the CPU) with the tokens they took, its wall time and its path."""
 
     step: int
     tokens: int
@@ -47,6 +49,10 @@ class StepStats:
     experts: dict[str, int] = field(default_factory=dict)
     expert_tokens: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    path: str | None = None  # the path the step took (fiddler.step.PATHS)
+    # prompt tokens of the requests admitted this step: copied from the prefix cache / left to compute
+    prefix_hit_tokens: int = 0
+    prefix_miss_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,14 +80,18 @@ class BatchEngine:
 
     def __init__(self, engine, *, slots: int | None = None, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  max_queue: int = DEFAULT_MAX_QUEUE, eos_token_ids: tuple[int, ...] | None = None,
-                 seed: int = 0, keep_steps: int = 10_000):
+                 seed: int = 0, keep_steps: int = 10_000, prefix_cache_bytes: int = 0,
+                 prefix_block: int = DEFAULT_BLOCK):
         model = engine.model
         slots = slots or model.max_batch
         if slots > model.max_batch:
             raise ValueError(f"slots={slots} exceeds the engine's KV-cache rows (max_batch={model.max_batch}); "
                              f"build it with Engine.from_pretrained(..., max_batch={slots})")
         self.engine, self.model = engine, model
-        self.scheduler = Scheduler(slots, token_budget, max_queue)
+        # prompts' KV entries kept for reuse (fiddler.batch.prefix_cache), within prefix_cache_bytes; 0: off
+        self.prefix_cache = PrefixCache(model.cache, prefix_cache_bytes, prefix_block) if prefix_cache_bytes else None
+        self._admitted = [0, 0]  # this step's admissions: prompt tokens from the prefix cache, left to compute
+        self.scheduler = Scheduler(slots, token_budget, max_queue, on_admit=self._admit)
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else \
             eos_token_ids_of(engine)
         self._seeds = torch.Generator().manual_seed(seed)
@@ -98,17 +108,19 @@ class BatchEngine:
         self.step_observers: list = []
         # since construction, whatever `steps` still keeps (a server's counters)
         self.totals = {"steps": 0, "tokens": 0, "decode_tokens": 0, "prefill_tokens": 0, "seconds": 0.0,
-                       "experts": {k: 0 for k in "abc"}, "finished": {}}
+                       "prefix_hit_tokens": 0, "prefix_miss_tokens": 0, "experts": {k: 0 for k in "abc"},
+                       "finished": {}}
         engine.executor.reset_stats()
 
     @classmethod
     def from_pretrained(cls, path, *, slots: int = 8, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                        max_queue: int = DEFAULT_MAX_QUEUE, **engine_kw) -> "BatchEngine":
+                        max_queue: int = DEFAULT_MAX_QUEUE, prefix_cache_bytes: int = 0,
+                        **engine_kw) -> "BatchEngine":
         """Engine.from_pretrained(path, max_batch=slots, **engine_kw) under a BatchEngine."""
         from ..engine import Engine
 
         return cls(Engine.from_pretrained(path, max_batch=slots, **engine_kw), slots=slots,
-                   token_budget=token_budget, max_queue=max_queue)
+                   token_budget=token_budget, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes)
 
     # ------------------------------------------------------------------ requests
 
@@ -161,10 +173,15 @@ class BatchEngine:
         t0 = time.perf_counter()
         ex_before = _kind_counts(self.engine.executor.stats)
         tokens = torch.cat([self._tokens_of(w) for w in work])
-        emits = [w.emits for w in work]
         with torch_threads(self.engine.torch_threads):
-            logits = model.forward_segments(tokens.to(model.device), work, emits)
+            logits = self.engine.step(tokens, [Segment(w.slot, w.start, w.length, w.emits) for w in work])
             chosen = self._choose([w for w in work if w.emits], logits)
+            if self.prefix_cache is not None:  # prompts computed to their end this step (sanely): kept for reuse
+                for w, tok in zip([w for w in work if w.emits], chosen):
+                    if not w.decode and not isinstance(tok, str):
+                        self.prefix_cache.store(w.request.prompt.tolist(), w.slot)
+        hit, miss = self._admitted
+        self._admitted = [0, 0]
         now = time.perf_counter()
         finished = 0
         with self._lock:
@@ -179,12 +196,13 @@ class BatchEngine:
                 prefill_tokens=sum(w.length for w in work if not w.decode), requests=len(work), finished=finished,
                 experts={k: ex_after[0][k] - ex_before[0].get(k, 0) for k in ex_after[0]},
                 expert_tokens={k: ex_after[1][k] - ex_before[1].get(k, 0) for k in ex_after[1]},
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, path=model.last_path, prefix_hit_tokens=hit,
+                prefix_miss_tokens=miss)
             self.steps.append(st)
             self.n_steps += 1
             t = self.totals
             t["steps"] += 1
-            for f in ("tokens", "decode_tokens", "prefill_tokens", "seconds"):
+            for f in ("tokens", "decode_tokens", "prefill_tokens", "seconds", "prefix_hit_tokens", "prefix_miss_tokens"):
                 t[f] += getattr(st, f)
             for k, v in st.experts.items():
                 t["experts"][k] = t["experts"].get(k, 0) + v
@@ -192,6 +210,18 @@ class BatchEngine:
                 observe(st)
             self._cv.notify_all()
         return st
+
+    def _admit(self, r: Request) -> None:
+        """A request just got its slot: the longest cached prefix of its prompt is copied into its row, and its
+        prefill starts after it."""
+        if self.prefix_cache is None:
+            return
+        entry, n = self.prefix_cache.lookup(r.prompt.tolist())
+        if n:
+            self.prefix_cache.load(entry, n, r.slot)
+            r.prefilled = r.prefix_hit = n
+        self._admitted[0] += n
+        self._admitted[1] += r.prompt_len - n
 
     @staticmethod
     def _tokens_of(w: Work) -> torch.Tensor:
@@ -326,7 +356,8 @@ class BatchEngine:
         tot = lambda f: sum(getattr(s, f) for s in steps)  # noqa: E731
         kinds = lambda f: {k: sum(getattr(s, f).get(k, 0) for s in steps) for k in "abc"}  # noqa: E731
         return {"steps": len(steps), "tokens": tot("tokens"), "decode_tokens": tot("decode_tokens"),
-                "prefill_tokens": tot("prefill_tokens"), "seconds": tot("seconds"), "experts": kinds("experts"),
+                "prefill_tokens": tot("prefill_tokens"), "prefix_hit_tokens": tot("prefix_hit_tokens"),
+                "prefix_miss_tokens": tot("prefix_miss_tokens"), "seconds": tot("seconds"), "experts": kinds("experts"),
                 "expert_tokens": kinds("expert_tokens"), "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting), "slots": self.scheduler.slots,
                 "token_budget": self.scheduler.token_budget}

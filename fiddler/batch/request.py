@@ -76,6 +76,7 @@ class Request:
     error: str | None = None
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in its KV-cache row
+    prefix_hit: int = 0  # of those, the ones copied from the prefix cache at admission (not computed)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -35,7 +35,7 @@ class Scheduler:
     slot is free; then it is prefilled in chunks, decoded one token a step, and its slot is freed when it
     finishes or is cancelled."""
 
-    def __init__(self, slots: int, token_budget: int, max_queue: int):
+    def __init__(self, slots: int, token_budget: int, max_queue: int, on_admit=None):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if token_budget < slots:
@@ -47,7 +47,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # holding a slot, in admission order
         self._free = list(range(slots))
-
+        self.on_admit = on_admit  # called with each request given a slot, before its first chunk is planned
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_queue + len(self._free):  # those beyond the free slots wait
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue}, "
@@ -82,6 +82,8 @@ class Scheduler:
             r = self.waiting.popleft()
             r.slot = self._free.pop(0)
             self.running.append(r)
+            if self.on_admit is not None:
+                self.on_admit(r)
         for r in self.running:
             if budget <= 0:
                 break

@@ -32,9 +32,8 @@ from ..gpu_side import GpuSide
 from ..kernel_loader import load_kernels
 from ..kernels import layout
 from ..latency import LatencyModel, calibrate
-from ..placement import COPY_BUFFERS, Placement, parse_placement, place
+from ..placement import COPY_BUFFERS, Placement, place_spec
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
-from ..popularity import Popularity
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
@@ -615,13 +614,8 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
     if dtype is None and quant is not None:
         raise ValueError("build_executor: quantized experts need the model dtype")
     dtype = dtype or experts[0][0].w1.dtype
-    if isinstance(placement, Placement):
-        pl = placement
-    else:
-        strategy, kw = parse_placement(placement)
-        pl = place(config, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
-                   strategy=strategy, popularity=Popularity.for_config(config, popularity), seed=seed, quant=quant,
-                   overhead=gpu.overhead_bytes(), **kw)
+    pl = place_spec(placement, config, dtype, gpu.budget_bytes, popularity=popularity, max_seq_len=max_seq_len,
+                    max_batch=max_batch, seed=seed, quant=quant, overhead=gpu.overhead_bytes())
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,

@@ -13,9 +13,23 @@ def check_expert_id(e: int, num_experts: int, layer: int) -> None:
 
 def expert_counts(flat_idx: torch.Tensor, num_experts: int, layer: int) -> list[int]:
     """Routed (token, slot) pairs per expert: the one host sync per layer. Rejects bad expert ids."""
-    counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
-    check_expert_id(len(counts) - 1, num_experts, layer)  # bincount grows past num_experts for an id beyond it
-    return counts
+    if flat_idx.device.type == "cpu":  # bincount: 6x cheaper than the ops below on a CPU (9 against 55 us)
+        counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
+        check_expert_id(len(counts) - 1, num_experts, layer)  # it grows past num_experts for an id beyond it
+        return counts
+    return fixed_size_counts(flat_idx, num_experts, layer)
+
+
+def fixed_size_counts(flat_idx: torch.Tensor, num_experts: int, layer: int) -> list[int]:
+    """expert_counts on a GPU, where bincount syncs once more to size its output: counted into a fixed-size
+    tensor (one sync, its .tolist()), bad ids in an extra bucket."""
+    bad = (flat_idx < 0) | (flat_idx >= num_experts)
+    slot = torch.where(bad, num_experts, flat_idx)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_idx.device)
+    counts = counts.scatter_add_(0, slot, torch.ones_like(slot)).tolist()
+    if counts[-1]:
+        check_expert_id(int(flat_idx[bad][0]), num_experts, layer)
+    return counts[:-1]
 
 
 def row_counts(ids: list[int], num_experts: int, layer: int) -> list[int]:

@@ -1,7 +1,8 @@
 """python -m fiddler.server --model DIR [--gpu-budget-gb N] [--slots N] [--max-queue N] [--port P]
 
-Serves the checkpoint in DIR over the OpenAI API on 127.0.0.1 (--host to change; another address is warned
-about: the server has no API key). SIGTERM (or Ctrl-C) stops taking requests (503), finishes those in flight
+Serves the checkpoint in DIR over the OpenAI API on 127.0.0.1 (--host to change; another address without an
+API key is warned about). With an API key ($FIDDLER_API_KEY, or --api-key), every route but /health answers
+401 unless the request carries `Authorization: Bearer <key>`. SIGTERM (or Ctrl-C) stops taking requests (503), finishes those in flight
 for up to --drain-timeout seconds (those still running then end with finish_reason "abort"), and exits 0; a
 second Ctrl-C exits at once. A model that fails to load exits 1 with the reason.
 
@@ -21,6 +22,7 @@ import threading
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see the README's "OpenMP" note
+API_KEY_ENV = "FIDDLER_API_KEY"
 
 
 def parse_args(argv=None):
@@ -41,6 +43,12 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=8, help="requests decoded at once (KV-cache rows)")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
     ap.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    ap.add_argument("--api-key", default=None,
+                    help=f"a key every route but /health needs as 'Authorization: Bearer <key>' (else 401); "
+                         f"prefer the environment variable {API_KEY_ENV}, which ps and shell history do not show")
+    ap.add_argument("--prefix-cache-mb", type=float, default=0.0,
+                    help="MiB of prompts' KV entries kept for reuse: a prompt starting with a cached prefix computes "
+                         "only the rest (0: off)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="KV-cache positions per slot (default: min(context, 4096))")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--cpu-threads", type=int, default=None)
@@ -65,6 +73,11 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (a checkpoint directory is needed)")
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        ap.error("--api-key is empty")
+    if not args.prefix_cache_mb >= 0:
+        ap.error("--prefix-cache-mb must be >= 0")
     for name in ("slots", "max_queue", "token_budget"):
         if getattr(args, name) < (0 if name == "max_queue" else 1):
             ap.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}")
@@ -88,13 +101,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bind_warning(host: str) -> str | None:
-    """What to tell whoever binds beyond this machine (there is no API key yet: anyone who reaches the port can
-    use the model)."""
-    if is_loopback(host):
+def bind_warning(host: str, api_key: bool = False) -> str | None:
+    """What to tell whoever binds beyond this machine without an API key (anyone who reaches the port can use
+    the model)."""
+    if is_loopback(host) or api_key:
         return None
     return (f"fiddler.server: warning: --host {host} is not a loopback address: anyone who can reach this port can "
-            "use the server (it has no API key); bind 127.0.0.1 unless that is meant")
+            f"use the server (it has no API key: set {API_KEY_ENV}); bind 127.0.0.1 unless that is meant")
 
 
 def _names(csv: str) -> tuple[str, ...]:
@@ -115,7 +128,7 @@ def loader(args):
                                          max_queue=args.max_queue, dtype=getattr(torch, args.dtype),
                                          gpu=GpuSide.for_budget_gb(args.gpu_budget_gb), executor=policy,
                                          cpu_threads=args.cpu_threads, max_seq_len=args.max_seq_len,
-                                         quant=args.quant)
+                                         quant=args.quant, prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
         return be, AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     return load
 
@@ -131,11 +144,12 @@ def main(argv=None) -> int:
     from .guard import Limits
     from .transport import ConnectionLimits, uvicorn_kwargs
 
-    warning = bind_warning(args.host)
+    warning = bind_warning(args.host, args.api_key is not None)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     limits = Limits(max_body_bytes=args.max_body_bytes, allowed_hosts=_names(args.allowed_hosts),
-                    allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()))
+                    allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+                    api_key=args.api_key)
     state = ServerState(loader(args), args.served_model_name or args.model.resolve().name, limits=limits)
 
     class DrainingServer(uvicorn.Server):

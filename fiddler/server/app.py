@@ -284,7 +284,8 @@ class _Run:
     def _finish(self, outcome: str):
         r = self.req
         ttft = r.first_token_at - r.submitted_at if r.first_token_at is not None else None
-        self.state.metrics.request_done(self.route, outcome, len(self.job.prompt_ids), self.tokens, ttft)
+        self.state.metrics.request_done(self.route, outcome, len(self.job.prompt_ids), self.tokens, ttft,
+                                        r.token_times[: self.tokens])
 
     def _reason(self) -> str | None:
         return "stop" if self.stopped else P.finish_reason(self.req.finish_reason)

@@ -1,6 +1,7 @@
 """What every request must pass before a route sees it (a pure ASGI middleware, so streamed responses and
-disconnects pass through untouched): a Host that names this server, no foreign Origin, POST bodies declared as
-application/json and no larger than the body limit.
+disconnects pass through untouched): a Host that names this server, no foreign Origin, the API key where the
+server has one (every route but /health), POST bodies declared as application/json and no larger than the
+body limit.
 
 Why: any web page can make a browser POST to 127.0.0.1:8000, and a DNS-rebinding page can read the answers
 (its own name resolving to 127.0.0.1, so Host carries that name); an IP-literal or localhost Host cannot be
@@ -11,9 +12,10 @@ which this server never grants. The body limit bounds what one request can make 
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -25,11 +27,23 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20  # a full context of text, JSON-escaped, is far
 @dataclass(frozen=True)
 class Limits:
     """max_body_bytes: the largest request body; allowed_hosts: Host names served besides IP literals and
-    localhost ("*": any); allowed_origins: browser origins allowed besides the server's own ("*": any)."""
+    localhost ("*": any); allowed_origins: browser origins allowed besides the server's own ("*": any);
+    api_key: the key every route but /health needs as `Authorization: Bearer <key>` (None: none; never
+    printed: it is left out of repr)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
+
+
+OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's or a supervisor's probe
+
+
+def key_accepted(authorization: str, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time."""
+    scheme, _, given = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 def _hostname(authority: str) -> str:
@@ -57,7 +71,7 @@ def origin_allowed(origin: str, host: str, limits: Limits) -> bool:
     return parts.scheme in ("http", "https") and bool(host) and parts.netloc.lower() == host.lower()
 
 
-def check(method: str, headers: dict[str, str], limits: Limits) -> None:
+def check(method: str, headers: dict[str, str], limits: Limits, path: str = "") -> None:
     """Raise the APIError a request's headers earn, if any."""
     host = headers.get("host", "")
     if host and not host_allowed(host, limits):
@@ -67,6 +81,10 @@ def check(method: str, headers: dict[str, str], limits: Limits) -> None:
     if origin is not None and not origin_allowed(origin, host, limits):
         raise APIError(403, f"Origin {origin!r} is not allowed (start the server with --allowed-origins to allow it)",
                        "invalid_request_error", "origin_not_allowed")
+    if limits.api_key is not None and path not in OPEN_PATHS and \
+            not key_accepted(headers.get("authorization", ""), limits.api_key):
+        raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
+                       "invalid_request_error", "invalid_api_key")
     if method == "POST":
         media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media != "application/json":
@@ -94,7 +112,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            check(scope["method"], headers, self.limits)
+            check(scope["method"], headers, self.limits, scope["path"])
         except APIError as e:
             self.on_error(scope["path"], e)
             body = json.dumps(e.body()).encode()

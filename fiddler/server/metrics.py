@@ -7,6 +7,7 @@ import bisect
 import threading
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -41,6 +42,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.itl = Histogram(ITL_BUCKETS_S)  # between consecutive tokens of a request, as the engine made them
         self.step_tokens = Histogram(STEP_TOKEN_BUCKETS)
 
     def watch(self, batch_engine) -> None:
@@ -52,8 +54,11 @@ class Metrics:
             self.step_tokens.observe(step.tokens)
 
     def request_done(self, route: str, outcome: str, prompt_tokens: int = 0, generation_tokens: int = 0,
-                     ttft_s: float | None = None) -> None:
+                     ttft_s: float | None = None, token_times: list[float] = ()) -> None:
+        """token_times: when each token sent was made (time.perf_counter): their gaps are the ITLs."""
         with self._lock:
+            for a, b in zip(token_times, token_times[1:]):
+                self.itl.observe(b - a)
             self.requests[(route, outcome)] = self.requests.get((route, outcome), 0) + 1
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += generation_tokens
@@ -73,7 +78,10 @@ class Metrics:
                       f"fiddler_generation_tokens_total {self.generation_tokens}",
                       "# HELP fiddler_time_to_first_token_seconds Submit to first token, per request.",
                       "# TYPE fiddler_time_to_first_token_seconds histogram",
-                      *self.ttft.lines("fiddler_time_to_first_token_seconds")]
+                      *self.ttft.lines("fiddler_time_to_first_token_seconds"),
+                      "# HELP fiddler_inter_token_latency_seconds Time between consecutive tokens of a request.",
+                      "# TYPE fiddler_inter_token_latency_seconds histogram",
+                      *self.itl.lines("fiddler_inter_token_latency_seconds")]
             if batch_engine is not None:
                 t = batch_engine.totals
                 lines += ["# HELP fiddler_requests_running Requests holding a slot.", "# TYPE fiddler_requests_running gauge",
@@ -87,6 +95,11 @@ class Metrics:
                           "# TYPE fiddler_engine_tokens_total counter",
                           f'fiddler_engine_tokens_total{{phase="decode"}} {t["decode_tokens"]}',
                           f'fiddler_engine_tokens_total{{phase="prefill"}} {t["prefill_tokens"]}',
+                          "# HELP fiddler_prefix_cache_tokens_total Prompt tokens of admitted requests: copied from "
+                          "the prefix cache (hit) or left to compute (miss; counted only with the cache on).",
+                          "# TYPE fiddler_prefix_cache_tokens_total counter",
+                          f'fiddler_prefix_cache_tokens_total{{result="hit"}} {t["prefix_hit_tokens"]}',
+                          f'fiddler_prefix_cache_tokens_total{{result="miss"}} {t["prefix_miss_tokens"]}',
                           "# HELP fiddler_expert_decisions_total Experts run, by the planner's decision (a: resident "
                           "on the GPU, b: copied in, c: on the CPU).",
                           "# TYPE fiddler_expert_decisions_total counter",

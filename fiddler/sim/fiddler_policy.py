@@ -26,9 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..executors.orchestrator import FiddlerStats, LayerStats
-from ..placement import COPY_BUFFERS, Placement, parse_placement, place
+from ..placement import COPY_BUFFERS, Placement, place, place_spec
 from ..planner import COPY, CPU, GPU, get_planner
-from ..popularity import Popularity
 from .clock import Clock
 from .simulator import SimContext, SimPolicy, Step
 
@@ -50,14 +49,9 @@ class FiddlerSimPolicy(SimPolicy):
     def setup(self, ctx: SimContext) -> None:
         cfg = ctx.config
         if ctx.has_gpu:
-            if isinstance(self.placement_spec, Placement):
-                self.placement = self.placement_spec
-            else:
-                strategy, kw = parse_placement(self.placement_spec)
-                self.placement = place(cfg, ctx.dtype, ctx.gpu_budget_bytes, max_seq_len=ctx.max_seq_len,
-                                       max_batch=ctx.max_batch, strategy=strategy,
-                                       popularity=Popularity.for_config(cfg, ctx.popularity), seed=ctx.seed,
-                                       quant=ctx.quant, **kw)
+            self.placement = place_spec(self.placement_spec, cfg, ctx.dtype, ctx.gpu_budget_bytes,
+                                        popularity=ctx.popularity, max_seq_len=ctx.max_seq_len,
+                                        max_batch=ctx.max_batch, seed=ctx.seed, quant=ctx.quant)
         else:
             self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch,
                                    quant=ctx.quant)

@@ -11,8 +11,9 @@ import abc
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable, ClassVar
+
+from fiddler.plain import plain
 
 MISSING = "???"  # omegaconf.MISSING: a value the yaml must give
 
@@ -79,17 +80,7 @@ class SystemConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (enums as their values), for records."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-
-def _plain(v):
-    if isinstance(v, Enum):
-        return v.value
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 def gpu_budget(system: Any, env_gb: float | None) -> tuple[float, str]:

@@ -5,7 +5,7 @@ the ctypes table here, so a new entry point needs no Python edit and no argument
 ctypes releases the GIL for the duration of every call, so a CPU expert can run in a Python worker
 thread while the main thread keeps working. The library is a plain shared object (no Python or torch
 headers), so one build serves every Python version. Nothing here imports torch or the rest of the
-package: scripts load this file on its own, by path (baselines/llama_cpp/build_flags.py).
+package: scripts load this file on its own, by path (systems/llama_cpp/build_flags.py).
 """
 from __future__ import annotations
 

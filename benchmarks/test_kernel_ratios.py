@@ -6,6 +6,10 @@
 - against its roofline, max(bytes / read limit, FLOPs / compute peak), with the compute peak of this host
   measured right after, best of rounds of its own (fiddler.kernels.roofline.PeakProbe: the better of torch's bf16 matmul and the
   kernel's own best), at 1 to 512 tokens;
+- against the instruction set's own peak (fiddler.kernels.roofline.isa_peak: the path's dot-product
+  instruction on registers only, no kernel code), measured right after: the kernel's FLOP/s over it at 64+
+  tokens (kernel_vs_isa_peak_tN) and its roofline with that peak (kernel_vs_isa_roofline_tN), beside
+  kernel_vs_roofline, whose peak includes the kernel's own best;
 - the weight stream's active prefetch against the best candidate measured here at 1 token, which
   catches a per-CPU default that is wrong for this CPU.
 
@@ -99,10 +103,30 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
                  peak_by=peak_by, flops=flops, **common)
     record_ratio(benchmark, f"kernel_vs_torch_t{tokens}", best["torch_s"] / best["kernel_s"], "higher",
                  best, f"torch bf16 expert time / kernel time, {tokens} token(s)", **common)
+    isa_ratios(benchmark, path, flops, weight_bytes, best, rounds, common)
     bound_from = COMPUTE_BOUND_FROM.get(path)
     report = {"report_only": f"compute-bound on {path} from {bound_from} tokens"} if bound_from and tokens >= bound_from else {}
     record_ratio(benchmark, f"kernel_vs_limit_t{tokens}", best["limit_s"] / best["kernel_s"], "higher",
                  best, f"kernel GB/s / independent read limit GB/s, {tokens} token(s)", **common, **report)
+
+
+def isa_ratios(benchmark, path, flops, weight_bytes, best, rounds, common):
+    """The kernel against the instruction set's peak for its path, measured now (after the rounds, like
+    the GEMM peak): its roofline with that peak at every token count, and its share of the peak where the
+    expert is compute-bound enough for it to mean something (64+ tokens)."""
+    kind = roofline.isa_kind(path)
+    if kind is None:
+        return
+    gflops = roofline.isa_peak(kind, fk.get_num_threads(), repeats=2 * rounds)
+    tokens = common["tokens"]
+    roof_s = roofline.roofline_s(weight_bytes, flops, weight_bytes / best["limit_s"] / 1e9, gflops)
+    extra = dict(isa_peak_gflops=gflops, isa_kind=kind, flops=flops, **common)
+    record_ratio(benchmark, f"kernel_vs_isa_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
+                 {**best, "roofline_s": roof_s}, f"roofline time with the ISA peak ({kind} {gflops:.0f} GFLOP/s) / "
+                 f"kernel time, {tokens} token(s)", **extra)
+    if tokens >= 64:
+        record_ratio(benchmark, f"kernel_vs_isa_peak_t{tokens}", flops / best["kernel_s"] / 1e9 / gflops, "higher",
+                     best, f"kernel GFLOP/s / ISA peak ({kind} {gflops:.0f} GFLOP/s), {tokens} token(s)", **extra)
 
 
 def test_stream_choice(benchmark, experts, rounds):

@@ -7,7 +7,7 @@
   measured right after, best of rounds of its own (fiddler.kernels.roofline.PeakProbe: the better of torch's bf16 matmul and the
   kernel's own best), at 1 to 512 tokens;
 - against the instruction set's own peak (fiddler.kernels.roofline.isa_peak: the path's dot-product
-  instruction on registers only, no kernel code), measured right after: the kernel's FLOP/s over it at 64+
+  instruction on registers only, no kernel code), one short run a round beside the kernel: its FLOP/s over it at 64+
   tokens (kernel_vs_isa_peak_tN) and its roofline with that peak (kernel_vs_isa_roofline_tN), beside
   kernel_vs_roofline, whose peak includes the kernel's own best;
 - the weight stream's active prefetch against the best candidate measured here at 1 token, which
@@ -78,16 +78,17 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
     # The kernel runs right after the limit's reads (not after a torch op, whose OpenMP threads
     # busy-wait for a while after a parallel region and would share the cores with it).
     peak.reset()
+    feats = fk.features()
+    path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     best = interleaved(benchmark, {
         "limit_s": own_memory_limit(packed, weight_bytes),
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
         "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
+        **isa_side(path),
     }, 2 * rounds, warmup=2)
     # the compute peak right after, best of its own rounds (inside the rounds above, its AMX/oneDNN work
     # would run just before the limit and the kernel of the next round and change what they read)
     peak_s = min(peak.best_s() for _ in range(rounds))
-    feats = fk.features()
-    path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes,
                   blocking=fk.blocking_choice())
     # the roofline of the round with the best limit: max(its memory time, the compute peak's time)
@@ -103,21 +104,30 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
                  peak_by=peak_by, flops=flops, **common)
     record_ratio(benchmark, f"kernel_vs_torch_t{tokens}", best["torch_s"] / best["kernel_s"], "higher",
                  best, f"torch bf16 expert time / kernel time, {tokens} token(s)", **common)
-    isa_ratios(benchmark, path, flops, weight_bytes, best, rounds, common)
+    isa_ratios(benchmark, path, flops, weight_bytes, best, common)
     bound_from = COMPUTE_BOUND_FROM.get(path)
     report = {"report_only": f"compute-bound on {path} from {bound_from} tokens"} if bound_from and tokens >= bound_from else {}
     record_ratio(benchmark, f"kernel_vs_limit_t{tokens}", best["limit_s"] / best["kernel_s"], "higher",
                  best, f"kernel GB/s / independent read limit GB/s, {tokens} token(s)", **common, **report)
 
 
-def isa_ratios(benchmark, path, flops, weight_bytes, best, rounds, common):
-    """The kernel against the instruction set's peak for its path, measured now (after the rounds, like
-    the GEMM peak): its roofline with that peak at every token count, and its share of the peak where the
-    expert is compute-bound enough for it to mean something (64+ tokens)."""
+def isa_side(path: str) -> dict:
+    """The instruction set's peak for `path` as a side of the rounds ({} where no probe matches): one short
+    register-only run a round (about a millisecond, no memory touched, so it leaves the kernel's and the
+    limit's reads alone), in seconds per GFLOP, so that its best is the peak of the round that was quietest
+    for it, under the same load as the kernel's rounds."""
+    kind = roofline.isa_kind(path)
+    return {"isa_s_per_gflop": lambda i: 1.0 / roofline.isa_peak(kind, fk.get_num_threads(), repeats=1)} if kind else {}
+
+
+def isa_ratios(benchmark, path, flops, weight_bytes, best, common):
+    """The kernel against the instruction set's peak for its path (measured in its rounds, isa_side): its
+    roofline with that peak at every token count, and its share of the peak where the expert is
+    compute-bound enough for it to mean something (64+ tokens)."""
     kind = roofline.isa_kind(path)
     if kind is None:
         return
-    gflops = roofline.isa_peak(kind, fk.get_num_threads(), repeats=2 * rounds)
+    gflops = 1.0 / best["isa_s_per_gflop"]
     tokens = common["tokens"]
     roof_s = roofline.roofline_s(weight_bytes, flops, weight_bytes / best["limit_s"] / 1e9, gflops)
     extra = dict(isa_peak_gflops=gflops, isa_kind=kind, flops=flops, **common)

@@ -50,9 +50,12 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
     out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
 
     peak.reset()
+    kind = roofline.isa_kind(fq.path(tokens, fmt))
+    isa_side = {"isa_s_per_gop": lambda i: 1.0 / roofline.isa_peak(kind, repeats=1)} if kind else {}  # ~1 ms, registers only
     best = interleaved(benchmark, {
         "limit_s": own_memory_limit(experts, e0.nbytes),
         "kernel_s": lambda i: experts[i % copies].forward(x, out=out),
+        **isa_side,
     }, (6 if tokens == 1 else 2) * rounds, warmup=3)  # calls of a few ms: many rounds cost little and steady the ratio
     # the compute peak right after, best of its own rounds (inside the rounds above it would run just
     # before the limit and the kernel of the next round and change what they read)
@@ -72,9 +75,8 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
                  f"roofline time / {fmt} expert time, {tokens} token(s) ({common['path']}; compute peak "
                  f"{gops:.0f} GOP/s by {peak_by}, the best of {', '.join(peak.sources)} and this call)", peak_gops=gops,
                  peak_by=peak_by, flops=flops, **common)
-    kind = roofline.isa_kind(common["path"])
     if kind is not None:  # beside it, the roofline with the instruction set's own peak (no kernel, no GEMM)
-        isa = roofline.isa_peak(kind, repeats=2 * rounds)
+        isa = 1.0 / best["isa_s_per_gop"]
         isa_roof_s = roofline.roofline_s(e0.nbytes, flops, e0.nbytes / best["limit_s"] / 1e9, isa)
         record_ratio(benchmark, f"quant_{fmt}_vs_isa_roofline_t{tokens}", isa_roof_s / best["kernel_s"], "higher",
                      {**best, "roofline_s": isa_roof_s}, f"roofline time with the ISA peak ({kind} {isa:.0f} GOP/s) / "

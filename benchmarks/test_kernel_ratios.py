@@ -84,7 +84,7 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
         "limit_s": own_memory_limit(packed, weight_bytes),
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
         "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
-        **isa_side(path),
+        **isa_side(path, flops),
     }, 2 * rounds, warmup=2)
     # the compute peak right after, best of its own rounds (inside the rounds above, its AMX/oneDNN work
     # would run just before the limit and the kernel of the next round and change what they read)
@@ -111,13 +111,14 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
                  best, f"kernel GB/s / independent read limit GB/s, {tokens} token(s)", **common, **report)
 
 
-def isa_side(path: str) -> dict:
-    """The instruction set's peak for `path` as a side of the rounds ({} where no probe matches): one short
-    register-only run a round (about a millisecond, no memory touched, so it leaves the kernel's and the
-    limit's reads alone), in seconds per GFLOP, so that its best is the peak of the round that was quietest
-    for it, under the same load as the kernel's rounds."""
+def isa_side(path: str, flops: float) -> dict:
+    """The instruction set's peak for `path` as a side of the rounds ({} where no probe matches): one
+    register-only run a round of the kernel call's own op count (no memory touched, so it leaves the
+    kernel's and the limit's reads alone; as long as the call at the peak, so it meets the neighbours the
+    call meets, where a 1 ms run caught quiet moments the call did not), in seconds per GFLOP."""
     kind = roofline.isa_kind(path)
-    return {"isa_s_per_gflop": lambda i: 1.0 / roofline.isa_peak(kind, fk.get_num_threads(), repeats=1)} if kind else {}
+    n = fk.get_num_threads()
+    return {"isa_s_per_gflop": lambda i: 1.0 / roofline.isa_peak(kind, n, repeats=1, ops=flops)} if kind else {}
 
 
 def isa_ratios(benchmark, path, flops, weight_bytes, best, common):

@@ -160,21 +160,23 @@ def isa_kind(path: str) -> str | None:
     return "avx2_fma" if isa == "avx2" and not mode else None
 
 
-def isa_peak(kind: str, threads: int | None = None, repeats: int = 10, iters: int = 1 << 18) -> float:
+def isa_peak(kind: str, threads: int | None = None, repeats: int = 10, ops: float = 1e9) -> float:
     """GFLOP/s (int8: GOP/s, 2 per multiply-add) of `kind`'s instruction on registers only, at `threads`
-    threads (default: the kernel's), the best of `repeats` runs of `iters` loop iterations a thread (a few
-    ms each: short runs, so that one of them finds a quiet moment on a shared machine). Raises
-    RuntimeError where the library or the CPU cannot run it, ValueError for an unknown kind."""
+    threads (default: the kernel's), the best of `repeats` runs of about `ops` operations each (at least 64
+    loop iterations a thread). A benchmark gives it the op count of the call it judges: a run as long as
+    that call meets the same neighbours on a shared machine, where a much shorter one finds the quiet
+    moments the call does not. Raises RuntimeError where the library or the CPU cannot run it, ValueError
+    for an unknown kind."""
     import fiddler.kernels as fk
     from ._lib import L, last_error
 
     if kind not in ISA_PEAK_KINDS:
         raise ValueError(f"isa_peak: kind must be one of {ISA_PEAK_KINDS}, got {kind!r}")
-    if repeats < 1 or iters < 64:
-        raise ValueError("isa_peak needs repeats >= 1 and iters >= 64")
+    if repeats < 1 or not ops > 0:
+        raise ValueError("isa_peak needs repeats >= 1 and ops > 0")
     if not fk.is_available():
         raise RuntimeError(f"isa_peak: kernel library not available: {fk.load_error()}")
-    v = L().fk_isa_peak(kind.encode(), _threads(threads), iters, repeats)
+    v = L().fk_isa_peak(kind.encode(), _threads(threads), float(ops), repeats)
     if v < 0:
         raise RuntimeError(last_error())
     return float(v)

@@ -128,7 +128,7 @@ const Kind kKinds[] = {
 
 }  // namespace
 
-double isa_peak(const char* kind, int threads, int64_t iters, int repeats) {
+double isa_peak(const char* kind, int threads, double ops, int repeats) {
 #if defined(__x86_64__)
   const Kind* k = nullptr;
   for (const Kind& c : kKinds)
@@ -136,9 +136,10 @@ double isa_peak(const char* kind, int threads, int64_t iters, int repeats) {
   if (!k) return fail(std::string("isa_peak: unknown kind '") + (kind ? kind : "(null)") +
                       "'; one of avx512_bf16, avx512_vnni, avx2_fma, amx_bf16, amx_int8");
   if (!k->supported()) return fail(std::string("isa_peak: this CPU (or OS) cannot run ") + k->name);
-  if (iters < kChunks) return fail("isa_peak: iters must be at least " + std::to_string(kChunks));
+  if (!(ops > 0)) return fail("isa_peak: ops must be positive");
   const int n = threads > 0 ? threads : default_threads();
-  const int64_t per_chunk = iters / kChunks;  // iterations of one piece, on whichever thread claims it
+  // iterations of one piece (on whichever thread claims it): `ops` in all, at least one a piece
+  const int64_t per_chunk = std::max<int64_t>(1, int64_t(ops / (k->ops_per_iter * n * kChunks)));
   volatile float seed = 0.0f;
   const float v = seed;
   std::atomic<uint32_t> sink{0};
@@ -155,7 +156,7 @@ double isa_peak(const char* kind, int threads, int64_t iters, int repeats) {
   }
   return best + 0.0 * double(sink.load() & 1);
 #else
-  (void)kind, (void)threads, (void)iters, (void)repeats;
+  (void)kind, (void)threads, (void)ops, (void)repeats;
   return fail("isa_peak: x86-64 only");
 #endif
 }

@@ -434,13 +434,15 @@ def lower(table: dict, spec: str, reason: str) -> str:
         raise SystemExit(f"regress: --lower needs NAME=NUMBER, got {spec!r}") from None
     e = table[name]
     old = e.get("floor")
-    e["floor"] = new
     higher = e.get("direction", "higher") == "higher"
+    # never raised by a lowering: a value above the class floor lowers only the CPU floors above it
+    e["floor"] = new if old is None else (min(old, new) if higher else max(old, new))
     for cpu, f in (e.get("cpu_floors") or {}).items():  # after a lowering no floor of it is above `new`
         e["cpu_floors"][cpu] = min(f, new) if higher else max(f, new)
-    e.setdefault("lowered", []).append({"from": old, "to": new, "date": _dt.date.today().isoformat(),
+    e.setdefault("lowered", []).append({"from": old, "to": e["floor"], "cpu_floors_at_most": new,
+                                        "date": _dt.date.today().isoformat(),
                                         "cpu": reading_cpu(), "reason": reason})
-    return f"{name}: {old} -> {new} ({reason})"
+    return f"{name}: {old} -> {e['floor']}, every CPU's own at most {new} ({reason})"
 
 
 def measure(names: str, quick: bool, select: str | None, nodes: list[str] | None, root: Path) -> int:

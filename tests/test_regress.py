@@ -251,6 +251,11 @@ def test_lowering_needs_a_reason_and_keeps_it(regress):
     assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.5", "--reason", "new torch is faster"]) == 0
     e = floors(regress)["k_up"]
     assert e["floor"] == 0.5 and e["lowered"][0]["reason"] == "new torch is faster" and e["lowered"][0]["from"] == 0.85
+    # a value above the class floor lowers only the CPU floors above it, never raises the class floor
+    assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.7", "--reason", "one CPU reads lower"]) == 0
+    e = floors(regress)["k_up"]
+    assert e["floor"] == 0.5 and e["cpu_floors"]["Test CPU"] == 0.5
+    assert [x["to"] for x in e["lowered"]] == [0.5, 0.5]
     with pytest.raises(SystemExit, match="no floor named"):
         regress.main(["--quick", "--class", "avx512", "--lower", "nope=1", "--reason", "x"])
 

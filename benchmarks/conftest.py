@@ -34,7 +34,8 @@ def rounds(quick) -> int:
 def record_ratio(benchmark, name: str, value: float, direction: str, sides: dict, what: str, **extra) -> None:
     """Stores one ratio for scripts/regress.py. direction: "higher" (a floor: the value must stay at
     or above it) or "lower" (a ceiling). extra may carry `margin`: how far below its readings the
-    floor of a noisier ratio sits (scripts/regress.py uses its file's default otherwise)."""
+    floor of a noisier ratio sits (scripts/regress.py uses its file's default otherwise), and
+    `report_only`: why the ratio means nothing on the path that ran (printed and recorded, never floored)."""
     assert direction in ("higher", "lower")
     benchmark.extra_info.setdefault("ratios", []).append(
         {"name": name, "value": float(value), "direction": direction, "what": what,

@@ -6,6 +6,10 @@
 - against its roofline, max(bytes / read limit, FLOPs / compute peak), with the compute peak of this host
   measured right after, best of rounds of its own (fiddler.kernels.roofline.PeakProbe: the better of torch's bf16 matmul and the
   kernel's own best), at 1 to 512 tokens;
+- against the instruction set's own peak (fiddler.kernels.roofline.isa_peak: the path's dot-product
+  instruction on registers only, no kernel code), one short run a round beside the kernel: its FLOP/s over it at 64+
+  tokens (kernel_vs_isa_peak_tN) and its roofline with that peak (kernel_vs_isa_roofline_tN), beside
+  kernel_vs_roofline, whose peak includes the kernel's own best;
 - the weight stream's active prefetch against the best candidate measured here at 1 token, which
   catches a per-CPU default that is wrong for this CPU.
 
@@ -27,6 +31,11 @@ from .conftest import interleaved, own_memory_limit, record_ratio
 
 HIDDEN, FFN = 4096, 14336
 TOKENS = (1, 4, 16, 64, 256, 512)
+# From this many tokens the expert on vdpbf16ps alone (no AMX) is compute-bound: a bf16 expert does `tokens`
+# FLOPs per weight byte, and these CPUs' compute over their read limit is a few FLOPs per byte (Zen 4, 2
+# cores: 140 GFLOP/s over ~25 GB/s), so kernel_vs_limit there reads the compute peak, not the stream
+# (0.09 at 64 tokens, 0.01 at 512 on an AMD EPYC family 25 model 17): reported, not floored.
+COMPUTE_BOUND_FROM = {"avx512_bf16": 64}
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +78,17 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
     # The kernel runs right after the limit's reads (not after a torch op, whose OpenMP threads
     # busy-wait for a while after a parallel region and would share the cores with it).
     peak.reset()
+    feats = fk.features()
+    path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     best = interleaved(benchmark, {
         "limit_s": own_memory_limit(packed, weight_bytes),
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
         "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
+        **isa_side(path, flops),
     }, 2 * rounds, warmup=2)
     # the compute peak right after, best of its own rounds (inside the rounds above, its AMX/oneDNN work
     # would run just before the limit and the kernel of the next round and change what they read)
     peak_s = min(peak.best_s() for _ in range(rounds))
-    feats = fk.features()
-    path = feats["isa"] + ("+amx" if feats["amx_active"] and tokens >= feats["amx_min_tokens"] else "")
     common = dict(tokens=tokens, path=path, stream=feats["stream"], weight_bytes=weight_bytes,
                   blocking=fk.blocking_choice())
     # the roofline of the round with the best limit: max(its memory time, the compute peak's time)
@@ -94,8 +104,40 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
                  peak_by=peak_by, flops=flops, **common)
     record_ratio(benchmark, f"kernel_vs_torch_t{tokens}", best["torch_s"] / best["kernel_s"], "higher",
                  best, f"torch bf16 expert time / kernel time, {tokens} token(s)", **common)
+    isa_ratios(benchmark, path, flops, weight_bytes, best, common)
+    bound_from = COMPUTE_BOUND_FROM.get(path)
+    report = {"report_only": f"compute-bound on {path} from {bound_from} tokens"} if bound_from and tokens >= bound_from else {}
     record_ratio(benchmark, f"kernel_vs_limit_t{tokens}", best["limit_s"] / best["kernel_s"], "higher",
-                 best, f"kernel GB/s / independent read limit GB/s, {tokens} token(s)", **common)
+                 best, f"kernel GB/s / independent read limit GB/s, {tokens} token(s)", **common, **report)
+
+
+def isa_side(path: str, flops: float) -> dict:
+    """The instruction set's peak for `path` as a side of the rounds ({} where no probe matches): one
+    register-only run a round of the kernel call's own op count (no memory touched, so it leaves the
+    kernel's and the limit's reads alone; as long as the call at the peak, so it meets the neighbours the
+    call meets, where a 1 ms run caught quiet moments the call did not), in seconds per GFLOP."""
+    kind = roofline.isa_kind(path)
+    n = fk.get_num_threads()
+    return {"isa_s_per_gflop": lambda i: 1.0 / roofline.isa_peak(kind, n, repeats=1, ops=flops)} if kind else {}
+
+
+def isa_ratios(benchmark, path, flops, weight_bytes, best, common):
+    """The kernel against the instruction set's peak for its path (measured in its rounds, isa_side): its
+    roofline with that peak at every token count, and its share of the peak where the expert is
+    compute-bound enough for it to mean something (64+ tokens)."""
+    kind = roofline.isa_kind(path)
+    if kind is None:
+        return
+    gflops = 1.0 / best["isa_s_per_gflop"]
+    tokens = common["tokens"]
+    roof_s = roofline.roofline_s(weight_bytes, flops, weight_bytes / best["limit_s"] / 1e9, gflops)
+    extra = dict(isa_peak_gflops=gflops, isa_kind=kind, flops=flops, **common)
+    record_ratio(benchmark, f"kernel_vs_isa_roofline_t{tokens}", roof_s / best["kernel_s"], "higher",
+                 {**best, "roofline_s": roof_s}, f"roofline time with the ISA peak ({kind} {gflops:.0f} GFLOP/s) / "
+                 f"kernel time, {tokens} token(s)", **extra)
+    if tokens >= 64:
+        record_ratio(benchmark, f"kernel_vs_isa_peak_t{tokens}", flops / best["kernel_s"] / 1e9 / gflops, "higher",
+                     best, f"kernel GFLOP/s / ISA peak ({kind} {gflops:.0f} GFLOP/s), {tokens} token(s)", **extra)
 
 
 def test_stream_choice(benchmark, experts, rounds):

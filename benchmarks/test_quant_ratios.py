@@ -4,7 +4,9 @@ default: at one token against the independent read limit measured in the same ro
 strategies reading other copies of the same weights, one cold read a round: conftest.own_memory_limit), and at each
 count against its roofline, max(bytes / read limit, operations / compute peak), with the compute peak
 of this host for the format measured right after, best of rounds of its own (fiddler.kernels.roofline.PeakProbe:
-the better of torch's int8 matmul and the kernel's own best). Like the engine, every call streams its expert from
+the better of torch's int8 matmul and the kernel's own best), and beside it against the roofline with the
+instruction set's own peak for the path (roofline.isa_peak: vpdpbusd or AMX-INT8 tiles on registers only,
+quant_FMT_vs_isa_roofline_tN). Like the engine, every call streams its expert from
 DRAM (the copies exceed the caches).
 """
 from __future__ import annotations
@@ -48,9 +50,13 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
     out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
 
     peak.reset()
+    kind = roofline.isa_kind(fq.path(tokens, fmt))
+    ops = roofline.expert_flops(HIDDEN, FFN, tokens)  # the probe runs the call's op count: it meets the same neighbours
+    isa_side = {"isa_s_per_gop": lambda i: 1.0 / roofline.isa_peak(kind, repeats=1, ops=ops)} if kind else {}
     best = interleaved(benchmark, {
         "limit_s": own_memory_limit(experts, e0.nbytes),
         "kernel_s": lambda i: experts[i % copies].forward(x, out=out),
+        **isa_side,
     }, (6 if tokens == 1 else 2) * rounds, warmup=3)  # calls of a few ms: many rounds cost little and steady the ratio
     # the compute peak right after, best of its own rounds (inside the rounds above it would run just
     # before the limit and the kernel of the next round and change what they read)
@@ -70,3 +76,10 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
                  f"roofline time / {fmt} expert time, {tokens} token(s) ({common['path']}; compute peak "
                  f"{gops:.0f} GOP/s by {peak_by}, the best of {', '.join(peak.sources)} and this call)", peak_gops=gops,
                  peak_by=peak_by, flops=flops, **common)
+    if kind is not None:  # beside it, the roofline with the instruction set's own peak (no kernel, no GEMM)
+        isa = 1.0 / best["isa_s_per_gop"]
+        isa_roof_s = roofline.roofline_s(e0.nbytes, flops, e0.nbytes / best["limit_s"] / 1e9, isa)
+        record_ratio(benchmark, f"quant_{fmt}_vs_isa_roofline_t{tokens}", isa_roof_s / best["kernel_s"], "higher",
+                     {**best, "roofline_s": isa_roof_s}, f"roofline time with the ISA peak ({kind} {isa:.0f} GOP/s) / "
+                     f"{fmt} expert time, {tokens} token(s) ({common['path']})", isa_peak_gops=isa, isa_kind=kind,
+                     flops=flops, **common)

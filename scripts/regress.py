@@ -4,9 +4,12 @@ measured *ratio* with its committed floor in results/regression/floors.yaml.
 
 Ratios, never absolute times: each ratio's two sides are measured interleaved in one process and
 each side keeps its best time (see benchmarks/conftest.py), so a busy shared machine moves both sides
-alike. Floors are chosen by the host CPU's flags (not by a forced kernel path): one set for x86 CPUs
-with AVX-512, one for AVX2-only CPUs. A "higher" ratio passes at or above its floor; a "lower" one
-(the planner's time in units of a fixed Python workload) at or below its ceiling.
+alike. Floors are kept per kernel path class (cpu_class: "amx" for AVX512-BF16 CPUs with AMX tiles,
+"avx512_bf16" without them, "avx2" for the rest: the path the kernel runs there; a forced FIDDLER_KERNEL_ISA
+picks its own class) and within a class per CPU (vendor, model name, family and model). A "higher" ratio
+passes at or above its floor; a "lower" one (the planner's time in units of a fixed Python workload) at or
+below its ceiling. A ratio its benchmark marks "report_only" (one that means nothing on the path that ran:
+kernel_vs_limit where the expert is compute-bound) is printed and recorded, never floored.
 
     python scripts/regress.py --quick          # CI: tiny model + one Mixtral-size expert (a few minutes)
     python scripts/regress.py                  # small_mixtral, more rounds
@@ -21,7 +24,10 @@ the last UPDATE_WINDOW readings of every CPU with readings all support, less the
 or the ratio's own): never to the latest reading alone, never down. Each CPU (model name, family and
 model) also gets its own floor by the same rule from its own readings ('cpu_floors'), and is judged by it
 once it has one; a CPU without one is judged by the class floor (so a new CPU, or a regression on one,
-still meets the class's floor or the side-by-side below). Lowering a floor needs --lower with a --reason,
+still meets the class's floor or the side-by-side below). A ratio judged by the class floor (this CPU has no
+floor of its own) that crosses it is not measured again ratio by ratio: a re-reading would only confirm that
+this CPU is another one than those the class floor came from; it goes straight to the one side-by-side run
+below. Lowering a floor needs --lower with a --reason,
 which is stored next to the floor (and caps every CPU's own floor of that ratio). --update with -k records only the ratios read and never
 moves the reference build (a partial run cannot vouch for the floors it did not read).
 A ratio measured on another kernel path than its recorded readings on this CPU ran (a fallback, which
@@ -82,9 +88,16 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_class(flags: set[str]) -> str:
-    """'avx512' for any x86 CPU with AVX-512 (F/BW/VL), else 'avx2' (the project's floor ISA)."""
-    return "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2"
+def cpu_class(flags: set[str], forced: str | None = None) -> str:
+    """The floors' class: the kernel path this CPU runs (fk_cpu.cpp's choice), since a ratio's level is the
+    path's: "amx" (AVX512-BF16 and AMX-BF16 tiles: Intel Sapphire Rapids and later), "avx512_bf16" (vdpbf16ps
+    without AMX: AMD Zen 4 and 5, Intel Cooper Lake), else "avx2" (an AVX-512 CPU without BF16 runs the AVX2
+    path too). A forced FIDDLER_KERNEL_ISA (`forced`: fiddler.kernels.set_isa's names) is its own class."""
+    if forced and forced != "auto":
+        return forced
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+        return "avx2"
+    return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16"
 
 
 def cpu_name() -> str:
@@ -188,7 +201,9 @@ def check(ratios: list[dict], floors: dict) -> list[dict]:
         own = (e.get("cpu_floors") or {}).get(me)
         f = own if own is not None else e.get("floor")
         known = {x["path"] for x in e.get("readings", []) if x.get("cpu") == me and x.get("path")}
-        if f is None:
+        if r.get("report_only"):
+            f, own, status = None, None, "report"
+        elif f is None:
             status = "no floor"
         elif r.get("path") and known and r["path"] not in known:
             status = "FAIL"
@@ -212,7 +227,12 @@ def confirm(rows: list[dict], table: dict, quick: bool) -> list[dict] | None:
     """Measures the benchmarks of the failed ratios again, after each pause of CONFIRM_PAUSES_S, with
     twice the suite's rounds, until every one has a reading that clears its floor; a ratio fails only if
     all its readings cross (each reading is already the best of its rounds). None when a re-run failed."""
-    failed = [r for r in rows if r["status"] == "FAIL" and not r.get("path_changed")]
+    failed = [r for r in rows if r["status"] == "FAIL" and not r.get("path_changed") and r["floor_of"] == "cpu"]
+    for r in rows:  # below the class floor, none of this CPU's own: no re-reading, straight to the side-by-side run
+        if r["status"] == "FAIL" and not r.get("path_changed") and r["floor_of"] == "class":
+            r["readings"] = [r["value"]]
+    if not failed:
+        return rows
     readings = {r["name"]: [r["value"]] for r in failed}
     rounds = recheck_rounds(quick)
     print(f"\nregress: {len(failed)} ratio(s) crossed the floor; measuring them again (up to "
@@ -320,6 +340,8 @@ def print_table(rows: list[dict], skipped: list[dict], cls: str) -> None:
         f = "-" if r["floor"] is None else f"{r['floor']:.4g}" + ("*" if r.get("floor_of") == "cpu" else "")
         sign = ">=" if r["direction"] == "higher" else "<="
         extra = f" [{r['path']}]" if r.get("path") else ""
+        if r.get("report_only"):
+            extra += f" (reported, not floored: {r['report_only']})"
         print(f"{r['name']:<46} {f:>9} {r['value']:>9.4g} {sign:>2} {r['status']:<8} {r['what']}{extra}")
     for s in skipped:
         for name in s["ratios"]:
@@ -361,7 +383,7 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
             else:
                 kept.append(x)
         e["readings"] = kept
-        if len(by_cpu[me]) < UPDATE_WINDOW:
+        if len(by_cpu[me]) < UPDATE_WINDOW or r.get("report_only"):
             continue
         margin = float(e.get("margin", data.get("margin", 0.15)))
         higher = r["direction"] == "higher"
@@ -412,13 +434,15 @@ def lower(table: dict, spec: str, reason: str) -> str:
         raise SystemExit(f"regress: --lower needs NAME=NUMBER, got {spec!r}") from None
     e = table[name]
     old = e.get("floor")
-    e["floor"] = new
     higher = e.get("direction", "higher") == "higher"
+    # never raised by a lowering: a value above the class floor lowers only the CPU floors above it
+    e["floor"] = new if old is None else (min(old, new) if higher else max(old, new))
     for cpu, f in (e.get("cpu_floors") or {}).items():  # after a lowering no floor of it is above `new`
         e["cpu_floors"][cpu] = min(f, new) if higher else max(f, new)
-    e.setdefault("lowered", []).append({"from": old, "to": new, "date": _dt.date.today().isoformat(),
+    e.setdefault("lowered", []).append({"from": old, "to": e["floor"], "cpu_floors_at_most": new,
+                                        "date": _dt.date.today().isoformat(),
                                         "cpu": reading_cpu(), "reason": reason})
-    return f"{name}: {old} -> {new} ({reason})"
+    return f"{name}: {old} -> {e['floor']}, every CPU's own at most {new} ({reason})"
 
 
 def measure(names: str, quick: bool, select: str | None, nodes: list[str] | None, root: Path) -> int:
@@ -466,7 +490,7 @@ def main(argv=None) -> int:
                     help="with --measure: run only this benchmark test node, relative to --root "
                          "(repeatable; e.g. 'benchmarks/test_kernel_ratios.py::test_kernel[1]')")
     ap.add_argument("--root", type=Path, help="with --measure: the tree whose benchmarks/ run (default: this one)")
-    ap.add_argument("--class", dest="cls", choices=["avx512", "avx2"], help=argparse.SUPPRESS)  # tests only
+    ap.add_argument("--class", dest="cls", help=argparse.SUPPRESS)  # tests only
     args = ap.parse_args(argv)
     if (args.node or args.root) and not args.measure:
         ap.error("--node and --root go with --measure")
@@ -474,7 +498,7 @@ def main(argv=None) -> int:
         if args.update or args.lower:
             ap.error("--measure judges and records nothing; do not combine it with --update or --lower")
         return measure(args.measure, args.quick, args.select, args.node, args.root or ROOT)
-    cls = args.cls or cpu_class(cpu_flags())
+    cls = args.cls or cpu_class(cpu_flags(), os.environ.get("FIDDLER_KERNEL_ISA"))
     mode = "quick" if args.quick else "full"
     data = load_floors()
     if args.lower:
@@ -490,6 +514,9 @@ def main(argv=None) -> int:
         print(f"regress: the benchmark suite failed (pytest exit {rc}); no ratio is judged", file=sys.stderr)
         return 2
     table = floors_of(data, cls, mode)
+    if not any(e.get("floor") is not None for e in table.values()):
+        print(f"regress: the class {cls} ({mode}) has no floors yet: nothing is judged; record them with "
+              f"three runs of --update", file=sys.stderr)
     rows = check(ratios, table)
     print_table(rows, skipped, f"{cls}, {mode}")
     print(f"during the suite: {state}")

@@ -251,22 +251,93 @@ def test_lowering_needs_a_reason_and_keeps_it(regress):
     assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.5", "--reason", "new torch is faster"]) == 0
     e = floors(regress)["k_up"]
     assert e["floor"] == 0.5 and e["lowered"][0]["reason"] == "new torch is faster" and e["lowered"][0]["from"] == 0.85
+    # a value above the class floor lowers only the CPU floors above it, never raises the class floor
+    assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.7", "--reason", "one CPU reads lower"]) == 0
+    e = floors(regress)["k_up"]
+    assert e["floor"] == 0.5 and e["cpu_floors"]["Test CPU"] == 0.5
+    assert [x["to"] for x in e["lowered"]] == [0.5, 0.5]
     with pytest.raises(SystemExit, match="no floor named"):
         regress.main(["--quick", "--class", "avx512", "--lower", "nope=1", "--reason", "x"])
 
 
-def test_floors_are_chosen_by_cpu_flags(regress):
-    assert regress.cpu_class({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}) == "avx512"
+def test_floors_are_chosen_by_the_kernel_path_the_cpu_runs(regress):
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    assert regress.cpu_class(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}) == "amx"  # Sapphire Rapids
+    assert regress.cpu_class(avx512 | {"avx512_bf16", "avx512_vnni"}) == "avx512_bf16"  # AMD Zen 4 / 5
+    assert regress.cpu_class(avx512) == "avx2"  # AVX-512 without BF16 (Skylake): the kernel runs its AVX2 path
     assert regress.cpu_class({"avx2", "fma"}) == "avx2"
+    assert regress.cpu_class(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512_bf16") == "avx512_bf16"
+    assert regress.cpu_class(avx512 | {"avx512_bf16"}, "avx2") == "avx2" and regress.cpu_class(avx512, "auto") == "avx2"
 
 
-def test_committed_floors_cover_both_classes():
+def test_committed_floors_cover_every_path_class():
     data = yaml.safe_load((ROOT / "results" / "regression" / "floors.yaml").read_text())
-    for cls in ("avx512", "avx2"):
+    floored = ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "engine_decode_vs_transformers",
+               "planner_vs_python_makespan_e128k8_t1", "batch_decode16_vs_1")
+    for cls, names in (("amx", floored + ("kernel_vs_limit_t64",)), ("avx512_bf16", floored),
+                       ("avx2", floored + ("kernel_vs_limit_t64",))):
         quick = data["classes"][cls]["quick"]
-        for name in ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "kernel_vs_limit_t64", "engine_decode_vs_transformers",
-                     "planner_vs_python_makespan_e128k8_t1", "batch_decode16_vs_1"):
+        for name in names:
             assert quick[name]["floor"] is not None, (cls, name)
+    # compute-bound on vdpbf16ps: reported there, never floored (benchmarks/test_kernel_ratios.py)
+    assert data["classes"]["avx512_bf16"]["quick"]["kernel_vs_limit_t64"]["floor"] is None
+    # every reading of a class ran its path (a forced path says so in the reading's CPU)
+    paths = {"amx": ("avx512_bf16", "avx512_vnni"), "avx512_bf16": ("avx512_bf16", "avx512_vnni"), "avx2": ("avx2",)}
+    for cls, ok in paths.items():
+        for name, e in data["classes"][cls]["quick"].items():
+            for x in e["readings"]:
+                assert x.get("path") is None or x["path"].startswith(ok), (cls, name, x)
+                assert cls != "avx512_bf16" or "+amx" not in (x.get("path") or ""), (cls, name, x)
+
+
+def test_a_report_only_ratio_is_recorded_and_printed_but_never_floored(regress, capsys):
+    """kernel_vs_limit at 64+ tokens on vdpbf16ps reads the compute peak, not the stream: its benchmark
+    marks it report_only, and no reading, however low, fails or seeds a floor."""
+    regress.readings["values"] = {"k_up": 1.0, "p_down": 0.1, "k_limit": 0.09}
+    real = regress.run_suite
+
+    def suite(*a, **kw):
+        ratios, skipped, rc = real(*a, **kw)
+        return [{**r, "report_only": "compute-bound on avx512_bf16 from 64 tokens"} if r["name"] == "k_limit" else r
+                for r in ratios], skipped, rc
+
+    regress.run_suite = suite
+    for _ in range(3):
+        assert regress.main(["--quick", "--update", "--class", "avx512_bf16"]) == 0
+    f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx512_bf16"]["quick"]
+    assert f["k_limit"]["floor"] is None and "k_limit" not in (f["k_limit"].get("cpu_floors") or {})
+    assert len(f["k_limit"]["readings"]) == 3 and f["k_up"]["floor"] is not None
+    capsys.readouterr()
+    regress.readings["values"] = {"k_up": 1.0, "p_down": 0.1, "k_limit": 0.001}
+    assert regress.main(["--quick", "--class", "avx512_bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "report" in out and "reported, not floored: compute-bound on avx512_bf16 from 64 tokens" in out
+    assert regress.readings["reruns"] == []
+
+
+def test_a_cpu_without_floors_of_its_own_goes_straight_to_one_side_by_side_run(regress, capsys, monkeypatch):
+    """A CPU judged by its class's floors that reads below one is another CPU of the class, not a busy
+    moment: re-reading it ratio by ratio (CI spent 1114 s so) tells nothing; one side-by-side run does."""
+    regress.readings["git"]["status"] = ""
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512_bf16"])
+    capsys.readouterr()
+    monkeypatch.setattr(regress, "cpu_name", lambda: "New CPU")
+    regress.readings["values"] = {"k_up": 0.6, "p_down": 0.1}
+    regress.readings["ref_values"] = {"k_up": 0.61, "p_down": 0.1}
+    assert regress.main(["--quick", "--class", "avx512_bf16"]) == 0
+    assert regress.readings["reruns"] == [] and "pauses" not in regress.readings  # no re-reading
+    assert len(regress.readings["ref_runs"]) == regress.AB_ROUNDS
+    assert "k_up only side by side with the reference build" in capsys.readouterr().out
+    regress.readings["ref_values"] = {"k_up": 0.9, "p_down": 0.1}  # the same CPU read higher on the reference
+    assert regress.main(["--quick", "--class", "avx512_bf16"]) == 1
+    assert regress.readings["reruns"] == [] and "FAILED k_up = 0.6 < floor 0.85" in capsys.readouterr().err
+
+
+def test_a_class_without_floors_says_so(regress, capsys):
+    assert regress.main(["--quick", "--class", "generic"]) == 0
+    cap = capsys.readouterr()
+    assert "the class generic (quick) has no floors yet" in cap.err and "2 without a floor" in cap.out
 
 
 def test_a_ratio_on_another_kernel_path_fails_without_a_second_reading(regress, capsys, monkeypatch):

@@ -57,3 +57,36 @@ def test_compute_peak_is_cached_per_argument_set(monkeypatch):
     assert a == b and len(calls) == n  # measured once
     b["gflops"] = -1.0
     assert rl.compute_peak("bf16", threads=1, repeats=1)["gflops"] == a["gflops"]  # a copy, not the cache
+
+
+def test_isa_kind_names_the_instruction_of_each_recorded_path():
+    assert rl.isa_kind("avx512_bf16") == "avx512_bf16"
+    assert rl.isa_kind("avx512_bf16+amx") == "amx_bf16"
+    assert rl.isa_kind("avx512_vnni:a8") == "avx512_vnni"
+    assert rl.isa_kind("avx512_vnni+amx:a8") == "amx_int8"
+    assert rl.isa_kind("avx2") == "avx2_fma"
+    for none in ("avx2:a8", "generic", "generic:w", "avx512_vnni:w"):  # no probe of their products
+        assert rl.isa_kind(none) is None, none
+
+
+def test_isa_peak_runs_what_this_cpu_has_and_refuses_the_rest():
+    import fiddler.kernels as fk
+
+    if not fk.is_available():
+        pytest.skip(f"kernel library not available: {fk.load_error()}")
+    with pytest.raises(ValueError, match="one of"):
+        rl.isa_peak("sse2")
+    with pytest.raises(ValueError):
+        rl.isa_peak("avx2_fma", ops=0)
+    f = fk.features()
+    avx512 = all(f[x] for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "os_avx512"))
+    has = {"avx512_bf16": avx512 and f["avx512_bf16"], "avx512_vnni": f["avx512f"] and f["avx512_vnni"] and f["os_avx512"],
+           "avx2_fma": f["avx2"] and f["fma"] and f["os_avx"], "amx_bf16": f["amx_supported"],
+           "amx_int8": f["amx_supported"] and f["amx_int8"]}
+    for kind in rl.ISA_PEAK_KINDS:
+        if has[kind]:
+            v = rl.isa_peak(kind, threads=1, repeats=1, ops=1e6)  # it ran: a positive, finite rate
+            assert 0 < v < float("inf"), kind
+        else:
+            with pytest.raises(RuntimeError, match="cannot run"):
+                rl.isa_peak(kind, threads=1, repeats=1, ops=1e6)

@@ -9,6 +9,11 @@ no part:
 - the project's kernel at its most compute-bound (many tokens, the path this CPU runs: AMX tiles, AVX-512
   or AVX2 FMA; for Q8_0 / Q4_0 the quantized kernel's integer dot products).
 A kernel that beats torch raises its own yardstick. `compute_peak()["best"]` says which source won.
+
+`isa_peak(kind)` is the third, independent source: the dot-product instruction a path issues, on registers
+only (csrc/fk_isa_peak.cpp), no loads, no kernel code. It bounds every kernel and torch's GEMM from above,
+so a ratio against it (`isa_kind(path)` names the instruction of a recorded kernel path) judges the kernel
+by what the CPU can issue, not by a GEMM that may be slower than the kernel it judges.
 """
 from __future__ import annotations
 
@@ -137,6 +142,44 @@ def compute_peak(kind: str = "bf16", threads: int | None = None, repeats: int = 
     if cached:
         _CACHE[key] = copy.deepcopy(out)
     return out
+
+
+ISA_PEAK_KINDS = ("avx512_bf16", "avx512_vnni", "avx2_fma", "amx_bf16", "amx_int8")
+
+
+def isa_kind(path: str) -> str | None:
+    """The instruction a kernel path's products run on, from the path a benchmark records (`features()`'s
+    isa plus "+amx" for the bf16 expert; `quant.path()` for Q8_0 / Q4_0, e.g. "avx512_vnni+amx:a8"): AMX
+    tiles where "+amx", vdpbf16ps on avx512_bf16, vpdpbusd on avx512_vnni, FMA on the AVX2 bf16 path;
+    None where no probe matches (the AVX2 and portable quantized paths, generic)."""
+    isa, _, mode = path.partition(":")
+    if isa.endswith("+amx"):
+        return "amx_int8" if isa.startswith("avx512_vnni") else "amx_bf16"
+    if isa in ("avx512_bf16", "avx512_vnni") and mode in ("", "a8"):
+        return isa
+    return "avx2_fma" if isa == "avx2" and not mode else None
+
+
+def isa_peak(kind: str, threads: int | None = None, repeats: int = 10, ops: float = 1e9) -> float:
+    """GFLOP/s (int8: GOP/s, 2 per multiply-add) of `kind`'s instruction on registers only, at `threads`
+    threads (default: the kernel's), the best of `repeats` runs of about `ops` operations each (at least 64
+    loop iterations a thread). A benchmark gives it the op count of the call it judges: a run as long as
+    that call meets the same neighbours on a shared machine, where a much shorter one finds the quiet
+    moments the call does not. Raises RuntimeError where the library or the CPU cannot run it, ValueError
+    for an unknown kind."""
+    import fiddler.kernels as fk
+    from ._lib import L, last_error
+
+    if kind not in ISA_PEAK_KINDS:
+        raise ValueError(f"isa_peak: kind must be one of {ISA_PEAK_KINDS}, got {kind!r}")
+    if repeats < 1 or not ops > 0:
+        raise ValueError("isa_peak needs repeats >= 1 and ops > 0")
+    if not fk.is_available():
+        raise RuntimeError(f"isa_peak: kernel library not available: {fk.load_error()}")
+    v = L().fk_isa_peak(kind.encode(), _threads(threads), float(ops), repeats)
+    if v < 0:
+        raise RuntimeError(last_error())
+    return float(v)
 
 
 def roofline_s(nbytes: float, flops: float, gbps: float, gflops: float) -> float:

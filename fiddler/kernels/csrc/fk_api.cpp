@@ -155,3 +155,8 @@ FK_API double fk_read_bandwidth(const void* buf, int64_t nbytes, int threads, in
                                 int repeats) {
   return read_bandwidth(buf, nbytes, threads, hint, dist, repeats);
 }
+
+// GFLOP/s of one instruction kind on registers only (see fk_isa_peak.cpp); negative on error.
+FK_API double fk_isa_peak(const char* kind, int threads, double ops, int repeats) {
+  return isa_peak(kind, threads, ops, repeats);
+}

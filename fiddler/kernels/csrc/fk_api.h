@@ -99,6 +99,11 @@ FK_API const char* fk_qamx_status();
 // ---------------------------------------------------------------- probe (fk_probe.cpp)
 // GB/s of a streaming read of buf[0, nbytes); negative on error
 FK_API double fk_read_bandwidth(const void* buf, int64_t nbytes, int threads, int hint, int64_t dist, int repeats);
+// GFLOP/s (int8: GOP/s) of one dot-product instruction kind on registers only, best of `repeats` runs of
+// about `ops` operations each, spread over the threads (at least 64 loop iterations a thread): "avx512_bf16"
+// (vdpbf16ps), "avx512_vnni" (vpdpbusd), "avx2_fma" (vfmadd231ps), "amx_bf16" (tdpbf16ps), "amx_int8"
+// (tdpbssd); negative when unknown or not here
+FK_API double fk_isa_peak(const char* kind, int threads, double ops, int repeats);
 
 // ---------------------------------------------------------------- decode ops (fk_decode.cpp)
 FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t n, float eps, uint16_t* out);

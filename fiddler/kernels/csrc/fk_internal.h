@@ -208,4 +208,7 @@ void combine_experts(const uint16_t* ye, const uint16_t* w, int n_experts, int64
 // ---------------------------------------------------------------- probe (fk_probe.cpp)
 double read_bandwidth(const void* buf, int64_t nbytes, int threads, int hint, int64_t dist, int repeats);
 
+// ---------------------------------------------------------------- ISA compute peak (fk_isa_peak.cpp)
+double isa_peak(const char* kind, int threads, double ops, int repeats);
+
 }  // namespace fk

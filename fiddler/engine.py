@@ -119,8 +119,8 @@ def settle_prefill_attention(model: MoETransformer, cfg: MoEConfig, dtype: torch
         return {"path": "torch", "why": "prefill_attention='torch'"}
     if dtype != torch.bfloat16:
         decided = {"path": "torch", "why": f"the kernel's attention is bf16 (dtype {str(dtype).replace('torch.', '')})"}
-    elif not any(d.type == "cpu" for d in layer_devices):
-        decided = {"path": "torch", "why": "no layer on the CPU"}
+    elif all(model.gpu_layers):
+        decided = {"path": "torch", "why": "no layer on the CPU (the GPU side runs torch's attention)"}
     else:
         decided = choose_prefill_attention(cfg, measure=choice == "auto")
     if decided["path"] == "kernel":
@@ -281,7 +281,8 @@ class Engine:
                            seed=seed, quant=quant)
         ex = (executor or FiddlerPolicy())(ctx, weights.experts)
         model = MoETransformer(cfg, weights, ex, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype,
-                               device=gpu.device, layer_devices=layer_devices)
+                               device=gpu.device, layer_devices=layer_devices,
+                               gpu_layers=dense.gpu_layers if gpu.has_gpu else None)
         weights.experts = []  # the executor owns them now
         fp32_acts = quant is not None and fquant.use_fp32_activations(model)
         torch_threads_in_run = finalise_linears(model, ex)

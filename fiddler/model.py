@@ -66,6 +66,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm in as few ops as keep its bits (the GPU side's launches): torch's rms_norm normalises in fp32
+    and rounds once to x's dtype, which is rms_norm's h.to(dtype); the weight is then applied in that dtype
+    as transformers does (fused into the one op in fp32, where there is no rounding between). One launch in
+    fp32, two in bf16, against eight."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm kept in fp32, its weight applied in fp32 (llama.cpp's f32 rms_norm and mul): the input of the
     quantized matmuls, which quantize it to Q8_0 from fp32 as llama.cpp does (MoETransformer.fp32_quant_acts)."""
@@ -146,6 +156,24 @@ def rope_tables(cfg: MoEConfig, max_seq: int, dtype: torch.dtype, device):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x2, x1] of x = [x1, x2] on the last dim: rotate_half without its negation, which signed_sin carries."""
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The sin table with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin(sin) bit
+    for bit ((-a) * s and a * (-s) are the same IEEE product), one launch fewer per rope."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rope's "half" style for one tensor (q and k heads together), bit for bit: 4 launches."""
+    return x * cos + swap_halves(x) * sin_signed
 
 
 def apply_rope(cfg: MoEConfig, q: torch.Tensor, k: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,6 +278,7 @@ class DecoderLayer:
     mlp: DenseMLP | None = None
     moe_index: int | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    on_gpu: bool = False  # on the GPU side (CUDA, or the CPU standing in for it): the ops CUDA runs, no CPU kernels
 
     def linears(self) -> list[Linear]:
         out = [m for m in (self.qkv_proj, self.o_proj, self.router) if m is not None]
@@ -399,41 +428,52 @@ class MoETransformer:
         use_kernel: bool | None = None,
         decode_fastpath: bool | None = None,
         layer_devices: list[torch.device] | None = None,
+        gpu_layers: Sequence[bool] | None = None,
     ):
         self.cfg, self.executor, self.dtype, self.device = cfg, executor, dtype, torch.device(device)
-        self.embed = weights.embed
-        self.norm = weights.norm
-        self.lm_head = Linear(weights.lm_head, use_kernel=use_kernel)
         self.layer_devices = [torch.device(d) for d in layer_devices] if layer_devices else \
             [self.device] * cfg.num_layers
+        # Which layers' dense parts are on the GPU side, and whether the embeddings, final norm and lm_head
+        # are (gpu_layers given: `device` is a GPU side, CUDA or emulated; else CUDA layers only). The GPU
+        # side runs the op sequence CUDA runs, on an emulated GPU too: no CPU kernels, no fused CPU decode.
+        self.gpu_layers = [bool(g) for g in gpu_layers] if gpu_layers is not None else \
+            [d.type == "cuda" for d in self.layer_devices]
+        self.gpu_head = gpu_layers is not None or self.device.type == "cuda"
+        self.embed = weights.embed
+        self.norm = weights.norm
+        self.lm_head = Linear(weights.lm_head, use_kernel=False if self.gpu_head else use_kernel)
         self.layers: list[DecoderLayer] = []
         moe_layers = cfg.moe_layers
         for i, l in enumerate(weights.layers):
-            layer = DecoderLayer(input_norm=l.input_norm, qkv_proj=None, o_proj=Linear(l.o, use_kernel=use_kernel,
-                                                                                       bias=l.o_bias),
+            on_gpu = self.gpu_layers[i]
+            use_kernel_here = False if on_gpu else use_kernel
+            layer = DecoderLayer(input_norm=l.input_norm, qkv_proj=None,
+                                 o_proj=Linear(l.o, use_kernel=use_kernel_here, bias=l.o_bias),
                                  post_norm=l.post_norm, router=None, q_norm=l.q_norm, k_norm=l.k_norm,
-                                 device=self.layer_devices[i])
+                                 device=self.layer_devices[i], on_gpu=on_gpu)
             if l.mla is not None:
-                layer.mla = {k: (Linear(w, use_kernel=use_kernel) if w.dim() == 2 else w) for k, w in l.mla.items()}
+                layer.mla = {k: (Linear(w, use_kernel=use_kernel_here) if w.dim() == 2 else w)
+                             for k, w in l.mla.items()}
             else:
                 # q, k and v share their input: one fused [q; k; v] projection is one kernel call (one thread-pool
                 # wake-up) instead of three; each output row is the same dot product as before.
                 qkv = torch.cat([l.q, l.k, l.v])
                 l.q = l.k = l.v = None  # the fused copy replaces them
-                layer.qkv_proj = Linear(qkv, use_kernel=use_kernel, bias=l.qkv_bias)
+                layer.qkv_proj = Linear(qkv, use_kernel=use_kernel_here, bias=l.qkv_bias)
             if l.mlp is not None:
-                layer.mlp = DenseMLP(l.mlp, use_kernel)
+                layer.mlp = DenseMLP(l.mlp, use_kernel_here)
             else:
                 layer.moe_index = moe_layers.index(i)
                 if l.gate.dtype != dtype:  # DeepSeek: an fp32 router
                     layer.router_fp32 = l.gate
                 else:
-                    layer.router = Linear(l.gate, use_kernel=use_kernel)
+                    layer.router = Linear(l.gate, use_kernel=use_kernel_here)
                 layer.score_bias, layer.shared_gate = l.score_bias, l.shared_gate
             self.layers.append(layer)
         self.cache = KVCache(cfg, max_batch, max_seq_len, dtype, self.device, self.layer_devices)
         self.cos, self.sin = rope_tables(cfg, max_seq_len, dtype, self.device)
         self._rope_on: dict[torch.device, tuple] = {self.device: (self.cos, self.sin)}
+        self._sin_signed: dict[torch.device, torch.Tensor] = {}
         self.scale = attention_scale(cfg)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
@@ -456,6 +496,8 @@ class MoETransformer:
             return None, f"needs bf16 on the CPU (model is {self.dtype} on {self.device})"
         if use_kernel is False:
             return None, "use_kernel=False"
+        if self.gpu_head or any(self.gpu_layers):
+            return None, "the dense part is on the (emulated) GPU side, which runs the ops CUDA runs"
         if self.cfg.attention != "gqa" or self.cfg.rope_style != "half" or self.cfg.rope_scaling:
             return None, f"the fused attention implements GQA with default rope, not {self.cfg.attention}"
         if not self.cache.single:
@@ -473,6 +515,10 @@ class MoETransformer:
             return None, str(e)
         self._kernel_norm = kd.rms_norm
         return ops, None
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        return fused_rms_norm(x, self.norm, eps) if self.gpu_head else self._norm(x, self.norm, eps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm, by the C++ kernel where the decode kernels are bound (bit-exact with rms_norm, and at a
@@ -498,6 +544,11 @@ class MoETransformer:
         if device not in self._rope_on:
             self._rope_on[device] = tuple(t.to(device) if t is not None else None for t in (self.cos, self.sin))
         return self._rope_on[device]
+
+    def _signed_sin(self, device: torch.device) -> torch.Tensor:
+        if device not in self._sin_signed:
+            self._sin_signed[device] = signed_sin(self._rope(device)[1])
+        return self._sin_signed[device]
 
     def linears(self) -> list[Linear]:
         return [self.lm_head] + [m for layer in self.layers for m in layer.linears()]
@@ -528,7 +579,7 @@ class MoETransformer:
             qkv.clamp_(min=-cfg.clip_qkv, max=cfg.clip_qkv)
         return qkv
 
-    def _sdpa(self, q, keys, values, B: int, T: int, pos: int, nkv: int) -> torch.Tensor:
+    def _sdpa(self, q, keys, values, B: int, T: int, pos: int, nkv: int, on_gpu: bool = False) -> torch.Tensor:
         """Causal attention of T queries at pos.. over keys [0, pos + T) (and the sliding window);
         returns [B*T, nh * dv]."""
         nh, L, window, scale = q.shape[1], pos + T, self.cfg.sliding_window, self.scale
@@ -537,7 +588,7 @@ class MoETransformer:
             # One query per sequence: attend per KV head with its group of query heads (no repeat of K/V).
             o = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, d), keys, values, scale=scale)
         elif pos == 0 and (window is None or L <= window):
-            ka = self.prefill_attention
+            ka = None if on_gpu else self.prefill_attention
             if ka is not None and ka.supports(q, keys, values):
                 return ka.causal_attention(q, keys, values, scale)  # already [B*T, nh * dv]
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=nh != nkv)
@@ -570,9 +621,14 @@ class MoETransformer:
         k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
         v = qkv[:, :, nh + nkv :].transpose(1, 2)
         cos, sin = self._rope(qkv.device)
-        q, k = apply_rope(cfg, q, k, cos[pos : pos + T], sin[pos : pos + T])
+        if cfg.rope_style == "half":  # q and k heads in one chain (the same products and sums as apply_rope)
+            qk = rope_half(qkv[:, :, : nh + nkv].transpose(1, 2), cos[pos : pos + T],
+                           self._signed_sin(qkv.device)[pos : pos + T])
+            q, k = qk[:, :nh], qk[:, nh:]
+        else:
+            q, k = apply_rope(cfg, q, k, cos[pos : pos + T], sin[pos : pos + T])
         keys, values = self.cache.append(i, pos, k, v, row)
-        return self._sdpa(q, keys, values, B, T, pos, nkv)
+        return self._sdpa(q, keys, values, B, T, pos, nkv, self.layers[i].on_gpu)
 
     def _mla_attention(self, i: int, h: torch.Tensor, B: int, T: int, pos: int, row: int = 0):
         """DeepSeek's multi-head latent attention of layer i, op for op as transformers' DeepseekV2/V3
@@ -602,7 +658,7 @@ class MoETransformer:
         keys[..., :dn].copy_(k_nope)
         keys[..., dn:].copy_(pc.expand(-1, nh, -1, -1))
         query = torch.cat((q_nope, q_pe), dim=-1)
-        o = self._sdpa(query, keys, values, B, T, pos, nh)
+        o = self._sdpa(query, keys, values, B, T, pos, nh, self.layers[i].on_gpu)
         return self.layers[i].o_proj(o)
 
     def _attend(self, i: int, h: torch.Tensor, groups: list[tuple[int, int, int, int]]) -> torch.Tensor:
@@ -765,9 +821,14 @@ class MoETransformer:
         layer, the residual stream following each layer's device. attention(i, h) and norm(x, weight, buf)
         are the step's (the fused decode kernels' into reused buffers, or the general ops); count_rows: count
         the distinct experts of a several-row decode step (the decode bound)."""
+        eps = self.cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             if x.device != layer.device:
                 x = x.to(layer.device)
+            if layer.on_gpu:  # one launch per norm (fused_rms_norm)
+                x = x + attention(i, fused_rms_norm(x, layer.input_norm, eps))
+                x = self._moe(i, x, fused_rms_norm(x, layer.post_norm, eps), count_rows)
+                continue
             x = x + attention(i, norm(x, layer.input_norm, bufs[0]))
             x = self._moe(i, x, norm(x, layer.post_norm, bufs[1]), count_rows)
         return x
@@ -789,12 +850,12 @@ class MoETransformer:
                          decode_rows > 1)
         x = x.to(self.norm.device)
         if all_logits:
-            return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32)
+            return self.lm_head(self._final_norm(x), out_dtype=torch.float32)
         if not decode_rows:
             ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
             x = x[ends[torch.tensor([s.logits for s in segments])].to(x.device)]
         elif not all(s.logits for s in segments):
             x = x[torch.tensor([s.logits for s in segments], device=x.device)]
         # Note: decode logits live in a reused buffer, valid until the next forward call.
-        return self.lm_head(self._norm(x, self.norm, eps), out_dtype=torch.float32,
+        return self.lm_head(self._final_norm(x), out_dtype=torch.float32,
                             out=self._buf("logits", (x.shape[0], cfg.vocab_size), torch.float32))

@@ -149,7 +149,7 @@ def use_fp32_activations(model) -> bool:
     Q8_0 from fp32, not from bf16, so near-amax values round as llama.cpp's do), and the router runs in fp32
     on them (llama.cpp's ffn_gate_inp is f32). Call before the engine finalises its linears (the router's
     dense weight is still there). Returns whether it was switched on."""
-    if not all(layer.device.type == "cpu" for layer in model.layers):
+    if any(layer.on_gpu for layer in model.layers):
         return False  # a GPU layer computes attention in torch on dequantized bf16 weights
     model.fp32_quant_acts = True
     for layer in model.layers:
@@ -167,7 +167,7 @@ def install_attention(model, blocks: list[dict], quant: str) -> None:
     cfg = model.cfg
     nh, nkv, d, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     for layer, b in zip(model.layers, blocks):
-        if layer.device.type == "cpu":
+        if not layer.on_gpu:
             layer.qkv_proj = QuantizedLinear(b["qkv"], quant, (nh + 2 * nkv) * d, H)
             layer.o_proj = QuantizedLinear(b["o"], quant, H, nh * d)
         else:  # a GPU computes attention in torch: dequantize once onto it (same weights)

@@ -30,6 +30,16 @@ class ExpertWeights:
     w1: torch.Tensor
     w3: torch.Tensor
     w2: torch.Tensor
+    # [2 ffn, hidden]: w1 and w3 stacked, where w1 and w3 are its two halves (views): the GPU side's copies,
+    # so that both products are one GEMM launch (fiddler.executors.ffn.torch_expert)
+    w13: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def stacked(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+        """A copy whose w1 and w3 are the halves of one [2 ffn, hidden] tensor (on w1's device and dtype)."""
+        w13 = torch.cat([w1, w3.to(w1.device, w1.dtype)])
+        F_ = w1.shape[0]
+        return cls(w13[:F_], w13[F_:], w2, w13)
 
     @property
     def nbytes(self) -> int:

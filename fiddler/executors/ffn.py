@@ -8,6 +8,15 @@ import torch.nn.functional as F
 from ..weights import ExpertWeights
 
 
-def torch_expert(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert, op for op as transformers' Mixtral experts: (silu(x W1^T) * (x W3^T)) W2^T."""
-    return F.linear(F.silu(F.linear(x, w.w1)) * F.linear(x, w.w3), w.w2)
+def torch_expert(w: ExpertWeights, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU expert, op for op as transformers' Mixtral experts: (silu(x W1^T) * (x W3^T)) W2^T. With w1 and
+    w3 stacked (ExpertWeights.w13: the GPU side's copies) both products are one GEMM: each output is the
+    same dot product, one launch fewer. `out`: the result is written there (matmul's out: the same bits as
+    F.linear without bias, which is that matmul)."""
+    if w.w13 is not None:
+        h = F.linear(x, w.w13)
+        F_ = w.w1.shape[0]
+        h = F.silu(h[:, :F_]) * h[:, F_:]
+    else:
+        h = F.silu(F.linear(x, w.w1)) * F.linear(x, w.w3)
+    return F.linear(h, w.w2) if out is None else torch.matmul(h, w.w2.t(), out=out)

@@ -38,13 +38,15 @@ from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
 from .ffn import torch_expert
-from .routing import ExpertGroups, Scratch, SlotOutputs, row_counts
+from .readback import Readback
+from .routing import ExpertGroups, Scratch, SlotOutputs, weighted_slot_sum
 
 
 def empty_expert(config, dtype, device) -> ExpertWeights:
+    """An uninitialised expert on the GPU side, w1 and w3 stacked (one GEMM: ExpertWeights.stacked)."""
     F_, H = config.intermediate_size, config.hidden_size
-    return ExpertWeights(torch.empty(F_, H, dtype=dtype, device=device), torch.empty(F_, H, dtype=dtype, device=device),
-                         torch.empty(H, F_, dtype=dtype, device=device))
+    w13 = torch.empty(2 * F_, H, dtype=dtype, device=device)
+    return ExpertWeights(w13[:F_], w13[F_:], torch.empty(H, F_, dtype=dtype, device=device), w13)
 
 
 # ---------------------------------------------------------------------------- stats
@@ -189,6 +191,8 @@ class FiddlerExecutor(ExpertExecutor):
         if gpu.has_gpu and placement.num_resident < L * E:
             self._allocate_buffers()
         self.copy_in = CopyIn(self.device, COPY_BUFFERS)
+        self.readback = Readback(self.device, gpu.has_gpu)  # a layer call's one device-to-host wait
+        self._off_gpu = [not all(r) for r in placement.resident]  # layers with experts the CPU may run
         self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
@@ -261,8 +265,10 @@ class FiddlerExecutor(ExpertExecutor):
         (self.packed if self.packed_host else self.host)[layer][e] = h
 
     def _device_copy(self, w: ExpertWeights) -> ExpertWeights:
-        dtype = None if self.quant else self.dtype
-        return ExpertWeights(*(t.to(self.device, dtype, copy=True) for t in (w.w1, w.w3, w.w2)))
+        """A resident expert's GPU-side copy: w1 and w3 stacked (one GEMM), or the block bytes (quantized)."""
+        if self.quant:
+            return ExpertWeights(*(t.to(self.device, copy=True) for t in (w.w1, w.w3, w.w2)))
+        return ExpertWeights.stacked(w.w1.to(self.device, self.dtype), w.w3, w.w2.to(self.device, self.dtype, copy=True))
 
     def _host_copy(self, w: ExpertWeights):
         """The host copy of an expert: packed (pinned at the byte on CUDA), else the given weights in dtype."""
@@ -369,11 +375,9 @@ class FiddlerExecutor(ExpertExecutor):
         return out.copy_(torch_expert(self._dense(h), x.to(self.dtype)))
 
     def _run_cpu_queue(self, layer: int, experts: list[int], sizes: list[int], x_host: torch.Tensor,
-                       ready: Any, threads: int) -> tuple[torch.Tensor, float]:
+                       threads: int) -> tuple[torch.Tensor, float]:
         """Kind-c experts one after another; the rows of x_host are grouped by expert in `experts` order."""
         t0 = time.perf_counter()
-        if ready is not None:
-            ready.synchronize()  # the device -> host copy of the rows has landed
         y = torch.empty(x_host.shape, dtype=self.dtype, pin_memory=self.cuda)
         start = 0
         for e, n in zip(experts, sizes):
@@ -407,17 +411,6 @@ class FiddlerExecutor(ExpertExecutor):
         self.copy_in.release(slot)
         return w
 
-    def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Rows for the CPU queue in host memory, and the CUDA event their copy completes (None on the CPU)."""
-        if x.device.type == "cpu":
-            return x, None
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        host.copy_(x, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self.stats.bytes_d2h_activations += x.numel() * x.element_size()
-        return host, ready
-
     # ------------------------------------------------------------------ forward
 
     def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -425,35 +418,39 @@ class FiddlerExecutor(ExpertExecutor):
         T, K = topk_idx.shape
         E = self.config.expert_slots
         self.begin_forward(layer, x, topk_idx)
+        # The call's one device-to-host wait (readback.Readback): the routing, and where this layer has experts
+        # off the GPU, the CPU queue's rows and weights (all rows: which ones the CPU takes is decided after).
+        off_gpu = self._off_gpu[layer]
+        host = self.readback(topk_idx, E, layer, x if off_gpu else None, topk_w if off_gpu else None)
+        if self.cuda and off_gpu:
+            self.stats.bytes_d2h_activations += x.numel() * x.element_size()
         # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
         # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
-        counts = None
-        if (T == 1 and self.fused_decode and self.kernel is not None and x.device.type == "cpu" and x.is_contiguous()
-                and topk_w.dtype == torch.bfloat16):
-            ids = topk_idx[0].tolist()
-            counts = row_counts(ids, E, layer)
-            plan: LayerPlan = self.planner(counts, self.placement.resident[layer], self.latency_model)
-            if self.packed_host and max(counts) == 1 and all(d is None or d == CPU for d in plan.decisions):
-                return self._decode_row_on_cpu(layer, x, ids, topk_w, plan, t_start)
+        plan: LayerPlan = self.planner(host.counts, self.placement.resident[layer], self.latency_model)
+        if (T == 1 and self.fused_decode and self.packed_host and off_gpu and host.x.is_contiguous()
+                and host.w.dtype == torch.bfloat16 and max(host.counts) == 1
+                and all(d is None or d == CPU for d in plan.decisions)):
+            return self._decode_row_on_cpu(layer, host.x, host.row_ids, host.w, plan, t_start)
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
-        x_cpu, x = x, x.to(self.dtype)
-        groups = ExpertGroups(topk_idx, E, layer, counts)
-        if counts is None:
-            plan = self.planner(groups.counts, self.placement.resident[layer], self.latency_model)
-        combined = SlotOutputs(x, K, self._scratch)
-
-        # CPU queue first, so it overlaps everything below.
+        x_in, x = x, x.to(self.dtype)
         cpu_experts = plan.experts(CPU)
+        if T == 1 and not cpu_experts:
+            return self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start)
+        groups = ExpertGroups(topk_idx, E, layer, host.counts)  # where the combination is: the GPU side
+        combined = SlotOutputs(x, K, self._scratch, one_op_sum=self.gpu.has_gpu)
+
+        # CPU queue first, so it overlaps everything below; its rows are in host memory already.
         future = cpu_result = None
         if cpu_experts:
-            t_c, s_c = groups.pairs_of(cpu_experts)
-            x_c, ready = self._to_host(self._scratch.gather("cpu_rows", x_cpu, t_c))
-            sizes = [groups.counts[e] for e in cpu_experts]
+            host_groups = ExpertGroups(host.ids, E, layer, host.counts) if self.gpu.has_gpu else groups
+            x_c = self._scratch.gather("cpu_rows", host.x, host_groups.tokens_of(cpu_experts))
+            flat_c = groups.flat_of(cpu_experts)
+            sizes = [host.counts[e] for e in cpu_experts]
             if self.threads.overlap and len(cpu_experts) < sum(d is not None for d in plan.decisions):
-                future = self._worker().submit(self._run_cpu_queue, layer, cpu_experts, sizes, x_c, ready,
+                future = self._worker().submit(self._run_cpu_queue, layer, cpu_experts, sizes, x_c,
                                                self.threads.cpu_queue)
             else:  # nothing to overlap with (or serial mode): run here with every core
-                cpu_result = self._run_cpu_queue(layer, cpu_experts, sizes, x_c, ready, self.threads.all)
+                cpu_result = self._run_cpu_queue(layer, cpu_experts, sizes, x_c, self.threads.all)
 
         # GPU queue: resident experts, then copied-in ones through the double buffer.
         prev_threads = None
@@ -461,19 +458,7 @@ class FiddlerExecutor(ExpertExecutor):
             prev_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads.gpu_side)
         try:
-            # both buffers' copies are issued first, so they overlap the resident experts (as planned)
-            copied = plan.experts(COPY)
-            for i, e in enumerate(copied[:COPY_BUFFERS]):
-                self._copy_in(layer, e, i)
-            for e in plan.experts(GPU):
-                self._gpu_expert(self.resident[layer][e], groups.pairs(e), x, x_cpu, topk_w, combined)
-            for i, e in enumerate(copied):
-                slot = i % COPY_BUFFERS
-                self._gpu_expert(self._copied(slot), groups.pairs(e), x, x_cpu, topk_w, combined)
-                if not self.packed_host:
-                    self.copy_in.release(slot)
-                if i + COPY_BUFFERS < len(copied):
-                    self._copy_in(layer, copied[i + COPY_BUFFERS], slot)
+            self._gpu_queue(layer, plan, lambda w, e: self._gpu_expert(w, groups, e, x, x_in, topk_w, combined))
         finally:
             if prev_threads is not None:
                 torch.set_num_threads(prev_threads)
@@ -486,28 +471,70 @@ class FiddlerExecutor(ExpertExecutor):
             if self.device.type != "cpu":
                 self.stats.bytes_h2d_activations += y_c.numel() * y_c.element_size()
                 y_c = y_c.to(self.device, non_blocking=True)
-            combined.put(t_c, s_c, y_c, topk_w)
+            combined.put_flat(flat_c, y_c, topk_w)
         out = combined.sum()
         self.stats.add_plan(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
         return out
 
-    def _gpu_expert(self, w: ExpertWeights, pairs, x, x_cpu, topk_w, combined: SlotOutputs) -> None:
-        t_e, s_e = pairs
-        if x_cpu.dtype == torch.float32 and self.dtype != torch.float32:
+    def _gpu_queue(self, layer: int, plan: LayerPlan, run) -> None:
+        """The GPU side's experts of a plan, run(weights, e) each: resident ones, then copied-in ones through the
+        double buffer. Both buffers' copies are issued first, so they overlap the resident experts (as
+        planned); on CUDA the copy of the next expert overlaps the current one's compute."""
+        copied = plan.experts(COPY)
+        for i, e in enumerate(copied[:COPY_BUFFERS]):
+            self._copy_in(layer, e, i)
+        for e in plan.experts(GPU):
+            run(self.resident[layer][e], e)
+        for i, e in enumerate(copied):
+            slot = i % COPY_BUFFERS
+            run(self._copied(slot), e)
+            if not self.packed_host:
+                self.copy_in.release(slot)
+            if i + COPY_BUFFERS < len(copied):
+                self._copy_in(layer, copied[i + COPY_BUFFERS], slot)
+
+    def _row_on_gpu_side(self, layer: int, x: torch.Tensor, x_in: torch.Tensor, ids: list[int],
+                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float) -> torch.Tensor:
+        """One token whose routed experts all run on the GPU side (decode): each expert writes its output
+        straight into its slot's row, so there is nothing to group, gather or scatter: the layer call
+        launches the experts' own ops, the readback and two for the weighted sum (the same one as
+        SlotOutputs: the same bits)."""
+        K = len(ids)
+        slots = self._scratch.take("slots", (K, x.shape[1]), self.dtype, x.device)
+        slot_of = {e: k for k, e in enumerate(ids)}
+
+        def run(w: ExpertWeights, e: int) -> None:
+            out = slots[slot_of[e]:slot_of[e] + 1]
+            if x_in.dtype == torch.float32 and self.dtype != torch.float32:  # fp32_inputs, as _gpu_expert
+                out.copy_(torch_expert(self._dense(w, torch.float32), x_in))
+            else:
+                torch_expert(self._dense(w), x, out=out)
+
+        self._gpu_queue(layer, plan, run)
+        out = weighted_slot_sum(slots, topk_w, 1, K, one_op_sum=True)
+        self.stats.add_plan(layer, plan, K, time.perf_counter() - t_start, 0.0)
+        return out
+
+    def _gpu_expert(self, w: ExpertWeights, groups: ExpertGroups, e: int, x, x_in, topk_w,
+                    combined: SlotOutputs) -> None:
+        tok = groups.tokens(e)
+        if x_in.dtype == torch.float32 and self.dtype != torch.float32:
             # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
-            y_e = torch_expert(self._dense(w, torch.float32), x_cpu.index_select(0, t_e)).to(self.dtype)
-        else:
-            y_e = torch_expert(self._dense(w), x.index_select(0, t_e))
-        combined.put(t_e, s_e, y_e, topk_w)
+            y_e = torch_expert(self._dense(w, torch.float32), x_in.index_select(0, tok)).to(self.dtype)
+        else:  # a lone row routed here needs no gather (decode: one launch fewer per expert)
+            y_e = torch_expert(self._dense(w), x if x.shape[0] == 1 else x.index_select(0, tok))
+        combined.put_flat(groups.flat(e), y_e, topk_w)
 
     def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, ids: list[int], topk_w: torch.Tensor,
                            plan: LayerPlan, t_start: float) -> torch.Tensor:
         """One token whose plan puts every routed expert (distinct ids) on the CPU (always so without a GPU):
         all of them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
-        between experts), with the same roundings as the general path."""
+        between experts), with the same roundings as the general path. x and topk_w are in host memory."""
         packed = self.packed[layer]
         moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
         out = moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
+        if self.device.type != "cpu":
+            out = out.to(self.device, non_blocking=True)
         wall = time.perf_counter() - t_start
         self.stats.add_plan(layer, plan, len(ids), wall, wall)
         return out
@@ -537,17 +564,16 @@ class FiddlerExecutor(ExpertExecutor):
         sync = torch.cuda.synchronize if self.cuda else (lambda: None)
 
         def cpu_fn(s):
-            x, ready = xs[s], None
-            if self.cuda:
+            x = xs[s]
+            if self.cuda:  # the rows come back as a layer call's readback brings them
                 host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
                 host.copy_(x, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
+                torch.cuda.current_stream(self.device).synchronize()
                 x = host
             if th.overlap:
-                y, _ = self._worker().submit(self._run_cpu_queue, pl, [pe], [s], x, ready, th.cpu_queue).result()
+                y, _ = self._worker().submit(self._run_cpu_queue, pl, [pe], [s], x, th.cpu_queue).result()
             else:
-                y, _ = self._run_cpu_queue(pl, [pe], [s], x, ready, th.all)
+                y, _ = self._run_cpu_queue(pl, [pe], [s], x, th.all)
             y.to(self.device)
             sync()
 

@@ -43,17 +43,32 @@ def row_counts(ids: list[int], num_experts: int, layer: int) -> list[int]:
 
 class ExpertGroups:
     """The (token, slot) pairs of topk_idx [T, K] grouped by expert. A stable sort keeps tokens in order
-    within an expert, as transformers' grouped path orders them."""
+    within an expert, as transformers' grouped path orders them. The sort and the token of every pair are
+    computed once for the layer call, so an expert's pairs are views (no launch per expert on a GPU)."""
 
     def __init__(self, topk_idx: torch.Tensor, num_experts: int, layer: int, counts: list[int] | None = None):
         """counts: expert_counts of topk_idx if the caller has them already (checked there)."""
         self.num_tokens, self.top_k = topk_idx.shape
         flat = topk_idx.reshape(-1)
         self.counts = counts if counts is not None else expert_counts(flat, num_experts, layer)
-        self.order = torch.argsort(flat, stable=True)
+        self.order = torch.argsort(flat, stable=True)  # flat pair index (token * top_k + slot), by expert
+        self.tok = self.order // self.top_k
+        self._slot: torch.Tensor | None = None
         self.offsets = [0]
         for n in self.counts:
             self.offsets.append(self.offsets[-1] + n)
+
+    def tokens(self, e: int) -> torch.Tensor:
+        """Token index of every pair routed to expert e (a view)."""
+        return self.tok[self.offsets[e]:self.offsets[e + 1]]
+
+    def flat(self, e: int) -> torch.Tensor:
+        """Flat pair index (token * top_k + slot) of every pair routed to expert e (a view): SlotOutputs.put_flat."""
+        return self.order[self.offsets[e]:self.offsets[e + 1]]
+
+    def flat_of(self, experts: list[int]) -> torch.Tensor:
+        """flat() of several experts, expert after expert in the given order."""
+        return torch.cat([self.flat(e) for e in experts]) if len(experts) != 1 else self.flat(experts[0])
 
     def active(self) -> list[int]:
         """Experts with at least one routed token, by id."""
@@ -61,14 +76,19 @@ class ExpertGroups:
 
     def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(token index, slot index) of every pair routed to expert e."""
-        return self._split(self.order[self.offsets[e]:self.offsets[e + 1]])
+        if self._slot is None:
+            self._slot = self.order % self.top_k
+        a, b = self.offsets[e], self.offsets[e + 1]
+        return self.tok[a:b], self._slot[a:b]
 
     def pairs_of(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs of several experts, expert after expert in the given order."""
-        return self._split(torch.cat([self.order[self.offsets[e]:self.offsets[e + 1]] for e in experts]))
+        tok, slot = zip(*(self.pairs(e) for e in experts))
+        return torch.cat(tok), torch.cat(slot)
 
-    def _split(self, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sel // self.top_k, sel % self.top_k
+    def tokens_of(self, experts: list[int]) -> torch.Tensor:
+        """tokens() of several experts, expert after expert in the given order."""
+        return torch.cat([self.tokens(e) for e in experts]) if len(experts) != 1 else self.tokens(experts[0])
 
 
 class Scratch:
@@ -108,16 +128,22 @@ class SlotOutputs:
     scatter into [T, K, H] and the sum over K took 3.1 ms, the gather and the sum below 0.9 ms. With a
     `scratch`, the gather writes into a reused buffer (Scratch)."""
 
-    def __init__(self, x: torch.Tensor, top_k: int, scratch: Scratch | None = None):
+    def __init__(self, x: torch.Tensor, top_k: int, scratch: Scratch | None = None, one_op_sum: bool = False):
+        """one_op_sum: sum the slots with one op (a GPU side: one launch; the same bits, see sum())."""
         self.num_tokens, self.top_k = x.shape[0], top_k
         self._scratch = scratch
+        self._one_op_sum = one_op_sum
         self._pairs: list[torch.Tensor] = []  # token * top_k + slot of each row of _rows
         self._rows: list[torch.Tensor] = []
         self._w: torch.Tensor | None = None
 
     def put(self, tok: torch.Tensor, slot: torch.Tensor, y: torch.Tensor, topk_w: torch.Tensor) -> None:
         """The outputs y of the (token, slot) pairs (tok, slot), unweighted; topk_w [T, K] is the layer's."""
-        self._pairs.append(tok * self.top_k + slot)
+        self.put_flat(tok * self.top_k + slot, y, topk_w)
+
+    def put_flat(self, flat: torch.Tensor, y: torch.Tensor, topk_w: torch.Tensor) -> None:
+        """put() of the pairs given by their flat index token * top_k + slot (ExpertGroups.flat)."""
+        self._pairs.append(flat)
         self._rows.append(y)
         self._w = topk_w
 
@@ -127,17 +153,27 @@ class SlotOutputs:
         rows = self._rows[0] if len(self._rows) == 1 else torch.cat(self._rows)
         if pairs.numel() != T * K:
             raise RuntimeError(f"combine: {pairs.numel()} (token, slot) outputs for {T} tokens x {K} slots")
-        order = torch.empty_like(pairs)
-        order[pairs] = torch.arange(pairs.numel(), device=pairs.device)
-        slots = self._scratch.gather("slots", rows, order) if self._scratch else rows.index_select(0, order)
-        w = self._w.reshape(T * K, 1).to(slots.device)
-        if torch.result_type(slots, w) == slots.dtype:
-            slots.mul_(w)
-        else:  # y * w promotes (e.g. fp32 weights of bf16 outputs): the product keeps the wider type
-            slots = slots * w
-        slots = slots.view(T, K, -1)
-        if K == 2:
-            # sum(dim=1) accumulates in fp32 from +0 and rounds once: for two slots that is one fp32 add
-            # rounded once, with -0 + -0 made +0 (the "+ 0.0"), the same bits ~15x faster on a CPU
-            return torch.add(slots[:, 0], slots[:, 1]).add_(0.0)
-        return slots.sum(dim=1)
+        # rows into (token, slot) order: one scatter (the same rows a gather by the inverse order would move)
+        shape = (T * K, *rows.shape[1:])
+        slots = self._scratch.take("slots", shape, rows.dtype, rows.device) if self._scratch else \
+            rows.new_empty(shape)
+        slots.index_copy_(0, pairs, rows)
+        return weighted_slot_sum(slots, self._w, T, K, self._one_op_sum)
+
+
+def weighted_slot_sum(slots: torch.Tensor, topk_w: torch.Tensor, T: int, K: int, one_op_sum: bool) -> torch.Tensor:
+    """sum over k of slots[t * K + k] * topk_w[t, k], as transformers combines: each product in the model dtype,
+    then the K products summed (in place in `slots`). one_op_sum: one op for the sum (a GPU side)."""
+    w = topk_w.reshape(T * K, 1)
+    if w.device != slots.device:
+        w = w.to(slots.device)
+    if torch.result_type(slots, w) == slots.dtype:
+        slots.mul_(w)
+    else:  # y * w promotes (e.g. fp32 weights of bf16 outputs): the product keeps the wider type
+        slots = slots * w
+    slots = slots.view(T, K, -1)
+    if K == 2 and not one_op_sum:
+        # sum(dim=1) accumulates in fp32 from +0 and rounds once: for two slots that is one fp32 add
+        # rounded once, with -0 + -0 made +0 (the "+ 0.0"), the same bits ~15x faster on a CPU
+        return torch.add(slots[:, 0], slots[:, 1]).add_(0.0)
+    return slots.sum(dim=1)

@@ -149,6 +149,39 @@ def sync_census(ctx: Ctx, engine, ids, new_tokens: int) -> dict:
             "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1]))}
 
 
+def launch_census(ctx: Ctx, engine, ids, steps: int = 4) -> dict:
+    """Ops a decode step launches, per decoder layer (fiddler.launches: top-level aten ops less views and
+    metadata; on CUDA also the kernels the profiler saw), and the readback's waits per MoE layer call (one
+    is the design: fiddler.executors.readback)."""
+    from fiddler.launches import count_launches
+    from fiddler.step import Segment
+
+    n = ids.shape[-1]
+    ids = ids.reshape(-1)
+    engine.step(ids, [Segment(0, 0, n, True)])
+    pos = [n]
+
+    def decode():
+        engine.step(ids[-1:], [Segment(0, pos[0], 1, True)])
+        pos[0] += 1
+
+    ex, L = engine.executor, engine.config.num_layers
+    waits0, calls0 = ex.readback.waits, ex.stats.calls
+    per_step, names = count_launches(decode, steps=steps)
+    out = {"aten_ops_per_step": per_step, "aten_ops_per_layer": per_step / L, "layers": L,
+           "ops": dict(names.most_common(16)),
+           "readback_waits_per_moe_call": (ex.readback.waits - waits0) / max(1, ex.stats.calls - calls0),
+           "decode_path": engine.info().get("decode_path")}
+    if ctx.cuda:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                decode()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["cuda_kernels_per_layer"] = len(kernels) / steps / L
+    return out
+
+
 def load_fiddler(ctx: Ctx, path: pathlib.Path):
     from fiddler import Engine
     from fiddler.config import MoEConfig
@@ -203,6 +236,7 @@ def section_offload(ctx: Ctx) -> dict:
         "makespan": makespans(ctx, engine, prefill_ids, 8),
         "sync_census": sync_census(ctx, engine, decode_ids, 8),
         "sync_census_prefill": sync_census(ctx, engine, prefill_ids, 1),
+        "launches": launch_census(ctx, engine, decode_ids),
     }
     if ctx.cuda:  # each generate resets the peak: the larger of the timed prefill's and decode's
         result["max_memory_reserved"] = max(m["max_memory_reserved"] for m in mem.values())

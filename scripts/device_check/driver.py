@@ -43,7 +43,7 @@ SECTIONS = [
     ("h2d", section_h2d, 25, ("link_gbps", "alone", "with_cpu_kernel", "fraction_of_link", "cpu_kernel")),
     ("offload", section_offload, 110, ("model", "budget_bytes", "resident_experts", "prefill", "decode", "routing",
                                        "cuda_memory", "overlap_decode", "overlap_prefill", "makespan",
-                                       "sync_census")),
+                                       "sync_census", "launches")),
     ("hf_offload", section_hf_offload, 60, ("placement", "prefill", "decode", "max_memory_reserved")),
     ("threads", section_threads, 75, ("cores", "rows")),
     ("llama_gpu", section_llama_gpu, 10, ()),

@@ -437,7 +437,7 @@ class FiddlerExecutor(ExpertExecutor):
         if T == 1 and not cpu_experts:
             return self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start)
         groups = ExpertGroups(topk_idx, E, layer, host.counts)  # where the combination is: the GPU side
-        combined = SlotOutputs(x, K, self._scratch, one_op_sum=self.gpu.has_gpu)
+        combined = SlotOutputs(x, K, self._scratch, gpu_side=self.gpu.has_gpu)
 
         # CPU queue first, so it overlaps everything below; its rows are in host memory already.
         future = cpu_result = None

@@ -13,19 +13,13 @@ import os
 import time
 from typing import Any
 
-ADAPTERS = {
-    "fiddler": ("systems.fiddler.adapter", "FiddlerAdapter", "systems.fiddler.config", "FiddlerConfig"),
-    "hf_transformers": ("systems.hf_transformers.adapter", "HFTransformersAdapter",
-                        "systems.hf_transformers.config", "HFTransformersConfig"),
-    "llama_cpp": ("systems.llama_cpp.adapter", "LlamaCppAdapter", "systems.llama_cpp.config", "LlamaCppConfig"),
-}
-
-
 def _adapter_class(name: str):
-    import importlib
+    """(adapter class, config class) of `system=<name>`: the config class is the registration
+    (systems/registry.py) and names its adapter."""
+    from systems.registry import adapter_class, system_class
 
-    mod, cls, cmod, ccls = ADAPTERS[name]
-    return getattr(importlib.import_module(mod), cls), getattr(importlib.import_module(cmod), ccls)
+    config_cls = system_class(name)
+    return adapter_class(config_cls.build().adapter), config_cls
 
 
 def _serve(conn, name: str, model: dict, ctx: dict) -> None:

@@ -14,7 +14,7 @@ issued non-blocking on the current CUDA stream, the one the experts compute on: 
 compute run one after another (on the clock: all three on the GPU lane). Its host copies are pinned
 (`ExpertCache` pins every offloaded storage), so both copies run at the pinned PCIe rate. That released code
 loads on demand only (no speculative prefetch: use prefetch=false with it, as
-conf/system/mixtral_offloading_original.yaml does). Its per-expert `.tolist()` host syncs are inside the
+the preset mixtral_offloading_original does). Its per-expert `.tolist()` host syncs are inside the
 per-layer transformers floor, not modelled one by one. The cache size the Fiddler authors ran it with on the
 Ada 6000 (offload_per_layer = 5, i.e. cache_size 3) is set by runners/validate_sim.py for that comparison.
 """

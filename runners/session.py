@@ -84,7 +84,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
     cfg = job.config
     env = cfg["environment"]
     point = job.points[index]
-    from runners.host import host_facts
+    from runners.hardware import host_facts
 
     return {
         "schema_version": records.SCHEMA_VERSION,

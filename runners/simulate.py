@@ -1,6 +1,6 @@
 """`mode=simulate`: a job's configurations on the virtual clock (fiddler/sim), in this process, no weights.
 
-The model comes from `model.arch`, the machine from the environment (runners.hardware_spec plus the
+The model comes from `model.arch`, the machine from the environment (runners.hardware.hardware_spec plus the
 efficiency factors of its hardware class, `sim.efficiency` overrides), the routing from `sim.*`, and the
 policy from the system's own config (`SystemConfig.sim_policy`). Records carry the same metric fields as
 execute mode, `mode: simulate`, and a `simulation` block naming the spec, the efficiency factors and
@@ -20,7 +20,7 @@ from systems.base import SystemUnavailable, one_line
 from systems import base as systems_base
 from systems import paths
 from runners import measure
-from runners.hardware_spec import hardware_spec
+from runners.hardware import hardware_spec
 from runners.session import Job, base_record, timing
 
 CONF_DIR = paths.conf_dir()

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from fiddler import hardware
-from runners import detect, records
+from runners import records
+from runners.hardware import _FACTS
 from tests.test_harness import _job
 
 
@@ -22,8 +23,8 @@ def varying_probe(monkeypatch):
         calls.append(1)
         return next(bandwidths)
 
-    monkeypatch.setitem(detect._FACTS, "cpu.mem_bandwidth_gbps", probe)
-    monkeypatch.setitem(detect._FACTS, "cpu.cores", lambda: next(cores))
+    monkeypatch.setitem(_FACTS, "cpu.mem_bandwidth_gbps", probe)
+    monkeypatch.setitem(_FACTS, "cpu.cores", lambda: next(cores))
     return calls
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from systems.base import (ConfigError, GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
+from systems.base import (GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
                             SystemUnavailable, one_line)
 from systems.registry import adapter_class
 from runners import measure, provenance, records

@@ -295,7 +295,16 @@ class Config:
     cache_dir: str = "${oc.env:FIDDLER_CACHE,${oc.env:HOME}/.cache/fiddler}"
 
 
+def paper_systems() -> str:
+    """`${paper_systems:}`, the paper experiments' system sweep (conf/experiment/paper_*.yaml): every system
+    whose config class has a row in the paper's tables, in the tables' order."""
+    rows = sorted((c.paper_row, name) for name, c in system_classes().items() if c.paper_row is not None)
+    return ",".join(name for _, name in rows)
+
+
 def register() -> None:
+    if not OmegaConf.has_resolver("paper_systems"):
+        OmegaConf.register_new_resolver("paper_systems", paper_systems)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="environment", name="environment_schema", node=EnvironmentConfig)

@@ -96,3 +96,21 @@ def test_a_bad_value_of_the_toy_is_refused_by_its_own_check(tmp_path):
                           f"run.index_path={tmp_path / 'i.jsonl'}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)
     assert res.returncode == 2 and "system.step=0 is invalid" in res.stderr, res.stderr[-2000:]
+
+
+def test_the_paper_experiments_rows_and_labels_are_the_config_classes():
+    """The paper experiments sweep `${paper_systems:}` and runners/paper.py labels its rows from the classes:
+    no list of systems to keep in step with them."""
+    from runners import paper, schema
+    from systems.registry import system_classes
+
+    classes = system_classes()
+    swept = schema.paper_systems().split(",")
+    assert swept == [s for s in paper.SYSTEMS if s not in paper.PREFIX_ROWS]
+    assert [classes[s].paper_row for s in swept] == sorted(classes[s].paper_row for s in swept)
+    for s in swept:
+        assert paper.SYSTEMS[s].removesuffix(" †") == classes[s].row_label()
+        assert (s in paper.NOT_IN_PAPER) == (classes[s].paper_name is None)
+    for experiment in ("paper_single_batch", "paper_long_prefill", "paper_beam"):
+        text = (ROOT / "conf" / "experiment" / f"{experiment}.yaml").read_text()
+        assert "system: ${paper_systems:}" in text

@@ -11,13 +11,13 @@ from fiddler import options
 from fiddler.server.__main__ import parse_args
 from systems.base import ModelSpec, RunContext
 from systems.fiddler.adapter import FiddlerAdapter
-from systems.fiddler.config import FiddlerConfig, Placement, Planner
+from systems.fiddler.config import FiddlerConfig, PlacementRule, Planner
 from runners.schema import ServeConfig
 
 
 def test_the_config_takes_its_choices_from_the_table():
     assert tuple(p.value for p in Planner) == options.PLANNERS
-    assert tuple(p.value for p in Placement) == options.PLACEMENTS
+    assert tuple(p.value for p in PlacementRule) == options.PLACEMENTS
     for quant in options.QUANTS:
         assert FiddlerConfig.build(quant=quant).quant == quant
 

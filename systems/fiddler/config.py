@@ -11,7 +11,7 @@ from systems.engine_config import EngineSystemConfig
 
 # the engine's choices (fiddler/options.py, the table the server's command line is made from too)
 Planner = Enum("Planner", {name: name for name in engine_options.PLANNERS}, module=__name__)
-Placement = Enum("Placement", {name: name for name in engine_options.PLACEMENTS}, module=__name__)
+PlacementRule = Enum("PlacementRule", {name: name for name in engine_options.PLACEMENTS}, module=__name__)
 
 
 @dataclass
@@ -25,7 +25,7 @@ class FiddlerConfig(EngineSystemConfig):
     name: str = "fiddler"
     adapter: str = "systems.fiddler.adapter:FiddlerAdapter"
     planner: Planner = Planner.makespan
-    placement: Placement = Placement.popularity
+    placement: PlacementRule = PlacementRule.popularity  # not fiddler.placement.Placement (a placement made)
     # JSON profile (scripts/profile_popularity.py format); None = the model's reference profile
     # (mixtral_8x7b: results/reference/mixtral-8x7b/expert-popularity), else uniform
     popularity_profile: Optional[str] = None

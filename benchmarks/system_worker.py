@@ -9,23 +9,16 @@ import torch only after its environment is set.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 from typing import Any
 
-ADAPTERS = {
-    "fiddler": ("systems.fiddler.adapter", "FiddlerAdapter", "systems.fiddler.config", "FiddlerConfig"),
-    "hf_transformers": ("systems.hf_transformers.adapter", "HFTransformersAdapter",
-                        "systems.hf_transformers.config", "HFTransformersConfig"),
-    "llama_cpp": ("systems.llama_cpp.adapter", "LlamaCppAdapter", "systems.llama_cpp.config", "LlamaCppConfig"),
-}
-
-
 def _adapter_class(name: str):
-    import importlib
+    """(adapter class, config class) of `system=<name>`: the config class is the registration
+    (systems/registry.py) and names its adapter."""
+    from systems.registry import adapter_class, system_class
 
-    mod, cls, cmod, ccls = ADAPTERS[name]
-    return getattr(importlib.import_module(mod), cls), getattr(importlib.import_module(cmod), ccls)
+    config_cls = system_class(name)
+    return adapter_class(config_cls.build().adapter), config_cls
 
 
 def _serve(conn, name: str, model: dict, ctx: dict) -> None:
@@ -58,20 +51,14 @@ class SystemWorker:
     """A loaded system in a child process: `timed(ids, new)` -> (ttft s, decode s per token)."""
 
     def __init__(self, name: str, model: dict[str, Any], ctx: dict[str, Any]):
+        from runners.isolation import start_in_env
+
         adapter_cls, _ = _adapter_class(name)  # light: adapters import their libraries in load()
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        env.update(adapter_cls.process_env)
         spawn = mp.get_context("spawn")
         self.conn, child = spawn.Pipe()
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)  # a spawned child starts with the parent's environment at start()
-        try:
-            self.proc = spawn.Process(target=_serve, args=(child, name, model, ctx), daemon=True)
-            self.proc.start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        self.proc = spawn.Process(target=_serve, args=(child, name, model, ctx), daemon=True)
+        # the system's own environment, and OMP_WAIT_POLICY only where it sets it (as the harness runs it)
+        start_in_env(self.proc, adapter_cls.process_env, unset=("OMP_WAIT_POLICY",))
         status, detail = self.conn.recv()
         self.unavailable = detail if status == "unavailable" else None
         self.process_env = dict(adapter_cls.process_env)

@@ -22,9 +22,9 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fiddler.kernels as fk
+from fiddler.executors import ExpertWeights, torch_expert  # the library's SwiGLU in torch
 from fiddler.kernels import roofline
 
 from .conftest import interleaved, own_memory_limit, record_ratio
@@ -50,14 +50,10 @@ def experts():
         w1 = (torch.randn(FFN, HIDDEN, generator=g) * HIDDEN**-0.5).to(torch.bfloat16)
         w3 = (torch.randn(FFN, HIDDEN, generator=g) * HIDDEN**-0.5).to(torch.bfloat16)
         w2 = (torch.randn(HIDDEN, FFN, generator=g) * FFN**-0.5).to(torch.bfloat16)
-        torch_w.append((w1, w3, w2))
+        torch_w.append(ExpertWeights(w1, w3, w2))
         packed.append(fk.PackedExpert(w1, w3, w2))
     fk.tune_blocking(packed)  # as the engine does on its experts at load
     return torch_w, packed, weight_bytes
-
-
-def torch_expert(x, w1, w3, w2):
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +79,7 @@ def test_kernel(benchmark, experts, peak, rounds, tokens):
     best = interleaved(benchmark, {
         "limit_s": own_memory_limit(packed, weight_bytes),
         "kernel_s": lambda i: packed[i % n].forward(x, out=out),
-        "torch_s": lambda i: torch_expert(x, *torch_w[(i + 1) % n]),
+        "torch_s": lambda i: torch_expert(torch_w[(i + 1) % n], x),
         **isa_side(path, flops),
     }, 2 * rounds, warmup=2)
     # the compute peak right after, best of its own rounds (inside the rounds above, its AMX/oneDNN work

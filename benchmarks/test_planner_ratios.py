@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from fiddler.config import MoEConfig
 from fiddler.latency import LatencyModel
 from fiddler.planner import get_planner
-from runners.hardware_spec import hardware_spec
+from runners.hardware import hardware_spec
 
 from .conftest import interleaved, python_yardstick, record_ratio
 

@@ -1,6 +1,6 @@
 """The benchmark harness: Hydra schema, workloads, timing, records, tables (see README)."""
-from runners import cli_help, detect, schema
+from runners import cli_help, hardware, schema
 
 schema.register()
-detect.register_resolver()
+hardware.register_resolver()
 cli_help.register_resolver()

@@ -2,8 +2,9 @@
 
 Hydra's own listing shows every ConfigStore entry, the `*_schema` structured configs included, and says
 nothing of the modes or the exit codes. This text is Hydra's help template (conf/config.yaml
-`hydra.help.template: ${harness_help:}`): each group's options are its yaml files, each with the first
-line of its leading comment, so a new system or model appears here with no edit.
+`hydra.help.template: ${harness_help:}`): the systems are the registered config classes (systems/registry.py),
+each with the first sentence of its docstring; every other group's options are its yaml files, each with the
+first sentence of its leading comment; so a new system or model appears here with no edit.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def _summary(path: Path, width: int = 90) -> str:
         text = text.lstrip("#").strip()
         if not text.startswith("@package"):
             words += text.split()
+    return _first_sentence(words, width)
+
+
+def _first_sentence(words: list[str], width: int = 90) -> str:
     sentence = " ".join(words)
     end = sentence.find(". ")
     sentence = sentence if end < 0 else sentence[:end + 1]
@@ -47,6 +52,11 @@ def _summary(path: Path, width: int = 90) -> str:
 
 
 def _options(group: str, conf: Path) -> list[tuple[str, str]]:
+    if group == "system":
+        from systems.registry import system_classes
+
+        return [(name, _first_sentence((cls.__doc__ or "").split()) + (f" [extra: {cls.extra}]" if cls.extra else ""))
+                for name, cls in sorted(system_classes().items())]
     return [(p.stem, _summary(p)) for p in sorted((conf / group).glob("*.yaml"))]
 
 

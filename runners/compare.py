@@ -1,4 +1,4 @@
-"""Two record sets compared configuration by configuration (scripts/compare.py is the command).
+"""Two record sets compared configuration by configuration (`python -m runners.compare`, main below, is the command).
 
 A side is a records/index JSONL file, a directory (every records.jsonl below it, as `records.collect`
 reads them) or the records committed at a git revision (`REV` or `REV:PATH`: every *.jsonl under PATH,
@@ -28,9 +28,11 @@ into variants the other side may not have: those rows are `only in A` / `only in
 """
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,6 +40,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from runners import tables
+from runners.table_format import FORMATS
 from runners.records import collect, parse_jsonl, record_problem
 from runners.table_format import Col, present, render
 from runners.noise import verdict
@@ -412,3 +415,69 @@ def to_text(c: Comparison, a: Side, b: Side, fmt: str = "md") -> tuple[str, list
         full = df.reindex(columns=[x.key for x in cols])
         return render(full, cols, fmt=fmt), lines
     return render(df, columns(c.metric), head=lines[:2]) + "\n\n" + lines[2], lines
+
+
+USAGE = """Compare two record sets configuration by configuration: A's value, B's value, the speedup and whether it
+is beyond noise (scripts/ab.py's verdict on the repetitions), like llama.cpp's compare-llama-bench.py.
+
+    python -m runners.compare A B [--metric e2e_tok_s|decode_tok_s|prefill_tok_s|ttft_s]
+                              [--where KEY=VALUE ...] [--format md|csv|json|jsonl] [--tolerance PCT] [--repo DIR]
+    python -m runners.compare results/measured/run1/records.jsonl results/measured/run2
+    python -m runners.compare HEAD~3 results/index.jsonl --where system=fiddler --where workload=beam
+    python -m runners.compare 9acbab7:results/measured results/measured --metric decode_tok_s
+
+A and B are each a records/index JSONL file, a directory (every records.jsonl below it), or a git
+revision's committed records: REV (every *.jsonl under results/) or REV:PATH (under PATH, relative to the
+repository's top; --repo names the repository, default the current directory's). An existing file or
+directory always wins over a revision of the same name.
+
+Speedup is B/A for tok/s (higher is better) and A/B for seconds (lower is better): > 1 always means B is
+faster. Simulated numbers are never compared with measured or emulated ones (the row says `refused`);
+rows measured on different CPUs are compared and say so. Machine formats print the rows alone on stdout
+(the lines naming A, B and the summary go to stderr). The rules: runners/compare.py's docstring.
+
+Exit status: 0 it ran; 2 bad usage, a side that names no records, or nothing comparable (said why).
+Damaged record lines are reported on stderr with file and line, and skipped.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a", metavar="A", help="the base: a JSONL file, a directory, REV or REV:PATH")
+    ap.add_argument("b", metavar="B", help="compared with A: the same kinds")
+    ap.add_argument("--metric", default="e2e_tok_s", choices=list(METRICS))
+    ap.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                    help="only configurations with this key (system, workload, input, ...); repeatable")
+    ap.add_argument("--format", default="md", choices=FORMATS)
+    ap.add_argument("--tolerance", type=float, default=0.0, metavar="PCT",
+                    help="the least change, in percent, that the verdict may call a change (default 0)")
+    ap.add_argument("--repo", default=".", help="the git repository revisions are read from (default: here)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    if args.tolerance < 0:
+        print(f"compare: --tolerance must be >= 0, got {args.tolerance}", file=sys.stderr)
+        return 2
+    try:
+        where = parse_where(args.where)
+        sides = [load(spec, args.repo) for spec in (args.a, args.b)]
+        result = compare(*sides, metric=args.metric, where=where, tolerance=args.tolerance / 100)
+    except CompareError as e:
+        print(f"compare: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that cannot be read
+        print(f"compare: {e}", file=sys.stderr)
+        return 2
+    if result.problem:
+        print(f"compare: {result.problem}", file=sys.stderr)
+        return 2
+    text, lines = to_text(result, *sides, fmt=args.format)
+    print(text)
+    if args.format != "md":
+        print("\n".join(lines), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # python -m runners.compare
+    sys.exit(main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runners import detect
+from runners import hardware
 
 
 def environment_limit(env_gbps: float) -> dict | None:
@@ -20,7 +20,7 @@ def environment_limit(env_gbps: float) -> dict | None:
     the measurement behind it when this run measured it (environment=local); never measures."""
     if not env_gbps or env_gbps <= 0:
         return None
-    measured = detect.known_read_limit()
+    measured = hardware.known_read_limit()
     if measured and round(float(measured["gbps"]), 1) == round(float(env_gbps), 1):
         return measured
     return {"gbps": float(env_gbps), "best": "environment.cpu.mem_bandwidth_gbps (as configured)", "strategies": {}}

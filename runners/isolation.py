@@ -96,13 +96,14 @@ def _spawnable_start_method() -> None:
         mp.set_start_method("spawn", force=True)
 
 
-def _start(job: Job, todo: list[int]):
-    _spawnable_start_method()
-    parent_conn, child_conn = _CTX.Pipe(duplex=False)
-    err_read, err_write = _CTX.Pipe(duplex=False)
-    proc = _CTX.Process(target=_child_main, args=(job, todo, child_conn, err_write), daemon=True)
-    saved = {k: os.environ.get(k) for k in job.process_env}
-    os.environ.update(job.process_env)  # a spawned child inherits the environment at start
+def start_in_env(proc, process_env: dict[str, str], unset: tuple[str, ...] = ()) -> None:
+    """Start a spawned process with the system's environment (`SystemAdapter.process_env`, read once when
+    torch or llama.cpp loads) and without `unset`: a spawned child takes the parent's environment at start,
+    which is restored right after. The one way the harness and the regression suite give a system its process."""
+    saved = {k: os.environ.get(k) for k in (*process_env, *unset)}
+    for k in unset:
+        os.environ.pop(k, None)
+    os.environ.update(process_env)
     try:
         proc.start()
     finally:
@@ -111,6 +112,14 @@ def _start(job: Job, todo: list[int]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _start(job: Job, todo: list[int]):
+    _spawnable_start_method()
+    parent_conn, child_conn = _CTX.Pipe(duplex=False)
+    err_read, err_write = _CTX.Pipe(duplex=False)
+    proc = _CTX.Process(target=_child_main, args=(job, todo, child_conn, err_write), daemon=True)
+    start_in_env(proc, job.process_env)
     child_conn.close()
     err_write.close()
     return proc, parent_conn, _StderrTail(err_read)

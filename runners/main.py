@@ -102,8 +102,10 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
     points = [p.as_dict() for p in expand(SimpleNamespace(**requested["workload"]))]
     hashes = [records.config_hash(requested, p) for p in points]
     resume = requested["run"]["resume"] and not requested["run"]["force"]
-    done = records.ok_records_by_hash(index_path) if resume else {}
+    oks = records.ok_records(index_path) if resume else []
+    done = {rec["config_hash"]: rec for rec in oks}
     todo = [i for i, h in enumerate(hashes) if h not in done]
+    _say_why_not_resumed(records.recorded_by_other_code(oks, requested, [points[i] for i in todo]))
     store = records.RunRecords(run_dir, index_path)
     if points and not todo:
         # Every configuration has an ok record of this code and this requested config, which passed
@@ -189,6 +191,14 @@ def _add_resumed(store: records.RunRecords, done: dict[str, dict[str, Any]], has
     if resumed:
         print(f"resume: {len(resumed)} of {n} configurations already have an ok record "
               f"(run.force=true re-runs them)", file=sys.stderr)
+
+
+def _say_why_not_resumed(other: dict[str, int]) -> None:
+    if other:
+        which = ", ".join(f"{n} at {v}" for v, n in sorted(other.items()))
+        print(f"resume: not resumed: ok records of these configurations from other code ({which}); a configuration "
+              f"is identified by its config and the code's commit (runners/records.py config_hash), so a sweep "
+              f"resumes only at the commit it was recorded at", file=sys.stderr)
 
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):

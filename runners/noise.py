@@ -1,6 +1,6 @@
 """The noise rule: whether one side of a side-by-side measurement differs from the other beyond noise
 (`verdict`). One place for every comparison this project makes: `scripts/ab.py` (A/B of two revisions),
-`scripts/regress.py` (its side-by-side check) and `scripts/compare.py` (two record sets).
+`scripts/regress.py` (its side-by-side check) and `python -m runners.compare` (two record sets).
 """
 from __future__ import annotations
 

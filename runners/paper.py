@@ -17,34 +17,32 @@ import pandas as pd
 
 from runners import provenance, table_format
 from runners.table_format import Col
+from systems.registry import system_classes
 
-# Rows of the paper's figures, in its order: the systems as the paper ran them first (Fiddler's released code,
-# the 2024 llama.cpp, Mixtral-Offloading's released code, DeepSpeed ZeRO-Inference), then today's rows.
-SYSTEMS: dict[str, str] = {
-    "fiddler_original": "Fiddler",
-    "llama_cpp_original": "llama.cpp (2024, llama_beam_search)",
-    "mixtral_offloading_original": "Mixtral-Offloading",
-    "deepspeed_mii": "DeepSpeed-MII",
-    "fiddler_paper": "Fiddler (paper's rule, our engine) †",
-    "fiddler": "Fiddler (makespan planner) †",
-    "llama_cpp": "llama.cpp (today) †",
-    "llama_cpp_cpu_moe": "llama.cpp --n-cpu-moe †",
-    "mixtral_offloading": "Mixtral-Offloading (ours, prefetch) †",
-    "llama_cpp_original_prefix_prompt": "llama.cpp (2024), prefix = prompt only",
-    "llama_cpp_original_prefix_all_but_last": "llama.cpp (2024), prefix = all but last",
-}
+# The rows of the paper's tables and figures are the systems whose config class has a `paper_row`
+# (systems/base.py): the systems as the paper ran them first (Fiddler's released code, the 2024 llama.cpp,
+# Mixtral-Offloading's released code, DeepSpeed ZeRO-Inference), then today's rows; labels, roles and the
+# paper's own names are the classes' too.
+_ROWS = sorted((c for c in system_classes().values() if c.paper_row is not None), key=lambda c: c.paper_row)
 #: rows the paper did not have (marked † in every table)
-NOT_IN_PAPER = ("fiddler_paper", "fiddler", "llama_cpp", "llama_cpp_cpu_moe", "mixtral_offloading")
+NOT_IN_PAPER = tuple(c.system_name() for c in _ROWS if c.paper_name is None)
 MARK_NOTE = "† = a row the paper did not have (this project's engine or today's systems)."
-FIDDLER = "fiddler_original"
-FIDDLERS = ("fiddler_original", "fiddler_paper", "fiddler")
-# the paper's three baselines as it ran them: llama.cpp (2024), Mixtral-Offloading's released code, ZeRO-Inference
-PAPER_BASELINES = ("llama_cpp_original", "mixtral_offloading_original", "deepspeed_mii")
-# today's baselines (the "Today" part of summary.md)
-TODAY_BASELINES = ("llama_cpp", "llama_cpp_cpu_moe", "mixtral_offloading", "deepspeed_mii")
+# llama.cpp 2024's beam cost at the two bounds of the beams' common prefix: rows of llama_cpp_original's
+# beam_prefix option (scripts/reproduce_paper.py PREFIX_BOUNDS), not systems of their own
+PREFIX_ROWS = {"llama_cpp_original_prefix_prompt": "llama.cpp (2024), prefix = prompt only",
+               "llama_cpp_original_prefix_all_but_last": "llama.cpp (2024), prefix = all but last"}
+SYSTEMS: dict[str, str] = {**{c.system_name(): c.row_label() + (" †" if c.paper_name is None else "") for c in _ROWS},
+                           **PREFIX_ROWS}
 # how paper-reported.csv names our rows
-PAPER_NAMES = {FIDDLER: "fiddler", "llama_cpp_original": "llama_cpp", "mixtral_offloading_original": "mixtral_offloading",
-               "deepspeed_mii": "deepspeed_mii"}
+PAPER_NAMES = {c.system_name(): c.paper_name for c in _ROWS if c.paper_name is not None}
+(FIDDLER,) = (name for name, paper_name in PAPER_NAMES.items() if paper_name == "fiddler")
+FIDDLERS = tuple(c.system_name() for c in _ROWS if c.paper_role == "fiddler")
+# the paper's three baselines as it ran them: llama.cpp (2024), Mixtral-Offloading's released code, ZeRO-Inference
+PAPER_BASELINES = tuple(c.system_name() for c in _ROWS if c.paper_role == "baseline" and c.paper_name is not None)
+# today's baselines (the "Today" part of summary.md): the rows the paper lacks, then the paper's baselines that
+# still run today's code (ZeRO-Inference)
+TODAY_BASELINES = tuple(c.system_name() for c in sorted(_ROWS, key=lambda c: c.paper_name is not None)
+                        if c.paper_role == "baseline" and c.today)
 ENVIRONMENTS = ("rtx3060", "rtx4090", "paper_env1", "paper_env2")
 PAPER_ENVIRONMENTS = ("paper_env1", "paper_env2")
 

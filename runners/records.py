@@ -324,10 +324,33 @@ class RunRecords:
         return record
 
 
+def ok_records(index_path: Path) -> list[dict[str, Any]]:
+    """The index's `ok` records that resume can use (for resume)."""
+    return [rec for rec in read_records(index_path)
+            if rec["status"] == "ok" and rec.get("config_hash") and rec.get("run_id")]
+
+
 def ok_records_by_hash(index_path: Path) -> dict[str, dict[str, Any]]:
     """The latest `ok` record of every config hash in the index (for resume)."""
-    return {rec["config_hash"]: rec for rec in read_records(index_path)
-            if rec["status"] == "ok" and rec.get("config_hash") and rec.get("run_id")}
+    return {rec["config_hash"]: rec for rec in ok_records(index_path)}
+
+
+def recorded_by_other_code(oks: Iterable[dict[str, Any]], requested: dict[str, Any],
+                           points: list[dict[str, Any]]) -> dict[str, int]:
+    """Code version -> how many of these points have an ok record of this system, model, workload,
+    environment and mode from other code. A config hash includes the code (`config_hash`), so such records never
+    resume: what resume tells the user when a sweep recorded at another commit (before a move of the code, or
+    any change) is measured again."""
+    ours = code_version()["version"]
+    keys = (requested["system"]["name"], requested["model"]["name"], requested["workload"]["name"],
+            requested["environment"]["name"], requested["mode"])
+    out: dict[str, int] = {}
+    for rec in oks:
+        version = (rec.get("code") or {}).get("version")
+        if version != ours and (rec.get("system"), rec.get("model"), rec.get("workload"), rec.get("environment"),
+                                rec.get("mode")) == keys and rec.get("point") in points:
+            out[str(version)] = out.get(str(version), 0) + 1
+    return out
 
 
 def collect(paths) -> list[dict[str, Any]]:

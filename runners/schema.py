@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from systems.base import ConfigError, SystemConfig
+from systems.base import ConfigError
+from systems.registry import system_classes
 from systems.base import check as _check
 from systems.base import check_number as _check_number
 
@@ -176,27 +177,7 @@ def check_arch(arch: Dict[str, Any], prefix: str = "model.arch") -> None:
 
 # ---------------------------------------------------------------- systems
 # Each system's options are one typed class beside its adapter (systems/<name>/config.py, a
-# systems.base.SystemConfig subclass); register() stores every one under its schema_name.
-
-
-def system_configs() -> dict[str, type[SystemConfig]]:
-    """Every systems/<name>/config.py's SystemConfig subclass, by schema name."""
-    import importlib
-    import importlib.util
-    import inspect
-    import pkgutil
-
-    import systems
-
-    found: dict[str, type[SystemConfig]] = {}
-    for pkg in pkgutil.iter_modules(systems.__path__):
-        if not pkg.ispkg or importlib.util.find_spec(f"systems.{pkg.name}.config") is None:
-            continue
-        module = importlib.import_module(f"systems.{pkg.name}.config")
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if issubclass(cls, SystemConfig) and cls.__module__ == module.__name__ and cls.schema_name:
-                found[cls.schema_name] = cls
-    return found
+# systems.base.SystemConfig subclass); systems/registry.py finds them and register() stores each under its name.
 
 
 # ---------------------------------------------------------------- run control
@@ -305,7 +286,7 @@ class ServeConfig:
 class Config:
     environment: EnvironmentConfig = MISSING
     workload: WorkloadConfig = MISSING
-    system: Any = MISSING  # the system's SystemConfig subclass (chosen by the group's yaml)
+    system: Any = MISSING  # the system's SystemConfig subclass (its class is the group's option)
     model: ModelConfig = MISSING
     mode: Mode = Mode.execute
     run: RunConfig = field(default_factory=RunConfig)
@@ -314,13 +295,22 @@ class Config:
     cache_dir: str = "${oc.env:FIDDLER_CACHE,${oc.env:HOME}/.cache/fiddler}"
 
 
+def paper_systems() -> str:
+    """`${paper_systems:}`, the paper experiments' system sweep (conf/experiment/paper_*.yaml): every system
+    whose config class has a row in the paper's tables, in the tables' order."""
+    rows = sorted((c.paper_row, name) for name, c in system_classes().items() if c.paper_row is not None)
+    return ",".join(name for _, name in rows)
+
+
 def register() -> None:
+    if not OmegaConf.has_resolver("paper_systems"):
+        OmegaConf.register_new_resolver("paper_systems", paper_systems)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="environment", name="environment_schema", node=EnvironmentConfig)
     cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
-    for name, node in system_configs().items():
+    for name, node in system_classes().items():
         # Lenient about unknown keys at composition, strict in validate() (check_known_keys), which
         # every job runs at its start. In `-m system=fiddler,llama_cpp system.quant=q4_0` Hydra applies
         # system.quant to the sweep's primary config, composed with the default system (hf_transformers,

@@ -6,8 +6,6 @@ Used directly for `run.isolation=inline` and inside the child process for `run.i
 from __future__ import annotations
 
 import errno
-import importlib
-import inspect
 import json
 import time
 import traceback
@@ -15,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from systems.base import (ConfigError, GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
+from systems.base import (GenerationRequest, ModelSpec, RunContext, SystemAdapter, SystemConfig,
                             SystemUnavailable, one_line)
+from systems.registry import adapter_class
 from runners import measure, provenance, records
 from runners.decode_bound import decode_bound, environment_limit
 from runners.workloads import Point, prompt_for
@@ -43,33 +42,8 @@ class Job:
         return self.config["system"]
 
 
-ADAPTER_ALLOWED = "allowed: module:Class naming a concrete subclass of systems.base.SystemAdapter " \
-                  "(as in conf/system/*.yaml)"
-
-
-def load_adapter_class(spec: str) -> type[SystemAdapter]:
-    """The SystemAdapter class `module:Class` names. Anything else is a ConfigError naming the key:
-    `system.adapter=builtins:print` was imported and called with the system's options. A module that
-    exists but lacks a dependency (an extra not installed) stays SystemUnavailable: a `skipped` record."""
-    module_name, _, class_name = spec.partition(":")
-    key = f"system.adapter={spec!r}"
-    if not all(part.isidentifier() for part in module_name.split(".")) or not class_name.isidentifier():
-        raise ConfigError(f"{key} is not module:Class; {ADAPTER_ALLOWED}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name + ".").startswith(exc.name + "."):  # the module named, or a package above it
-            raise ConfigError(f"{key}: there is no module {exc.name}; {ADAPTER_ALLOWED}") from None
-        raise SystemUnavailable(f"cannot import adapter module {module_name} ({exc})") from exc
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ConfigError(f"{key}: module {module_name} has no {class_name}; {ADAPTER_ALLOWED}")
-    if not isinstance(cls, type):
-        raise ConfigError(f"{key} is a {type(cls).__name__}, not a class; {ADAPTER_ALLOWED}")
-    if not issubclass(cls, SystemAdapter) or inspect.isabstract(cls):
-        what = "abstract" if issubclass(cls, SystemAdapter) else "not a SystemAdapter subclass"
-        raise ConfigError(f"{key} is {what}; {ADAPTER_ALLOWED}")
-    return cls
+# the adapter class a system's `adapter` names (ConfigError where it names none); one rule, in systems/registry.py
+load_adapter_class = adapter_class
 
 
 def make_adapter(job: Job) -> SystemAdapter:
@@ -77,7 +51,8 @@ def make_adapter(job: Job) -> SystemAdapter:
     env = cfg["environment"]
     import torch
 
-    ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
+    ctx = RunContext(threads=job.system_config.thread_count(env["cpu"]["threads"]),
+                     gpu_memory_gb=float(env["gpu"]["memory_gb"]),
                      has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cfg["cache_dir"])),
                      environment=env,
                      max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
@@ -109,7 +84,7 @@ def base_record(job: Job, index: int, status: str, reason: str | None) -> dict[s
     cfg = job.config
     env = cfg["environment"]
     point = job.points[index]
-    from runners.host import host_facts
+    from runners.hardware import host_facts
 
     return {
         "schema_version": records.SCHEMA_VERSION,

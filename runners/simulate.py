@@ -1,6 +1,6 @@
 """`mode=simulate`: a job's configurations on the virtual clock (fiddler/sim), in this process, no weights.
 
-The model comes from `model.arch`, the machine from the environment (runners.hardware_spec plus the
+The model comes from `model.arch`, the machine from the environment (runners.hardware.hardware_spec plus the
 efficiency factors of its hardware class, `sim.efficiency` overrides), the routing from `sim.*`, and the
 policy from the system's own config (`SystemConfig.sim_policy`). Records carry the same metric fields as
 execute mode, `mode: simulate`, and a `simulation` block naming the spec, the efficiency factors and
@@ -20,7 +20,7 @@ from systems.base import SystemUnavailable, one_line
 from systems import base as systems_base
 from systems import paths
 from runners import measure
-from runners.hardware_spec import hardware_spec
+from runners.hardware import hardware_spec
 from runners.session import Job, base_record, timing
 
 CONF_DIR = paths.conf_dir()
@@ -69,7 +69,7 @@ class SimSetup:
     """Everything of a job that does not depend on the workload point: model, machine, routing, policy."""
 
     def __init__(self, job: Job):
-        from systems.fiddler.profiles import placement_popularity, reference_popularity
+        from systems.fiddler.profiles import reference_popularity
         from fiddler.popularity import Popularity
         from fiddler.sim import Efficiency, ProfileRouting, SimContext, SimHardware, RoutingTrace, TraceRouting
         from fiddler.sim import cpu_class_of
@@ -78,9 +78,8 @@ class SimSetup:
         env, sim, model = cfg["environment"], cfg["sim"], cfg["model"]
         self.config = model_config(model["arch"])
         self.dtype = getattr(torch, model["dtype"])
-        # the thread count the system runs with: its own option where it has one, else the environment's
-        threads = cfg["system"].get("cpu_threads") or cfg["system"].get("threads") or env["cpu"]["threads"]
-        spec = hardware_spec(env, cpu_threads=int(threads))
+        system = job.system_config  # the typed options: what the harness asks of a system is a method
+        spec = hardware_spec(env, cpu_threads=system.thread_count(env["cpu"]["threads"]))
         cpu_class = sim.get("cpu_class") or cpu_class_of(env["cpu"]["name"], env["cpu"]["isa"],
                                                          _host_amx() if env["name"] == "local" else None)
         overrides = {f"{part}.{k}": v for part, factors in (sim.get("efficiency") or {}).items()
@@ -93,7 +92,7 @@ class SimSetup:
         reference = reference_popularity(model["name"])
         if reference is not None:
             reference.check_shape(self.config)
-        placement_pop = placement_popularity(cfg["system"].get("popularity_profile"), model["name"])
+        placement_pop = system.popularity(model["name"])
         self.placement_popularity = Popularity.for_config(self.config, placement_pop)
         routing = sim["routing"]
         if routing == "auto":

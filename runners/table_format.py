@@ -24,6 +24,8 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
+from fiddler.plain import plain
+
 FORMATS = ("md", "csv", "json", "jsonl")
 SEP = " · "
 
@@ -135,10 +137,11 @@ def markdown(titles: Sequence[str], body: Sequence[Sequence[str]], right: Sequen
 
 
 def _plain(value: Any) -> Any:
+    """A cell as a machine format writes it: empty as None, numpy values as Python ones (fiddler.plain, the one
+    converter), floats at 6 significant digits."""
     if not present(value):
         return None
-    if hasattr(value, "item"):  # numpy scalars
-        value = value.item()
+    value = plain(value)
     if isinstance(value, float):
         return float(f"{value:.6g}")
     return value

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script: this tree's packages
 from systems import safe_tar  # noqa: E402
-# the noise rule, one place for every comparison (scripts/regress.py, scripts/compare.py)
+# the noise rule, one place for every comparison (scripts/regress.py, runners/compare.py)
 from runners.records import resolve_rev  # noqa: E402,F401
 from runners.noise import MAD_SIGMA, SIGN_ALPHA, _ratio, _rel_spread, min_rounds, rounds_needed, verdict  # noqa: E402,F401
 ROUNDS = 5  # the default: the fewest rounds with which the sign test can say "changed" at SIGN_ALPHA

@@ -24,9 +24,9 @@ import platform
 import time
 
 import torch
-import torch.nn.functional as F
 
 import fiddler.kernels as fk
+from fiddler.executors import ExpertWeights, torch_expert  # the library's SwiGLU in torch
 from fiddler import latency
 
 
@@ -62,11 +62,9 @@ def main(argv=None) -> list[dict]:
     torch_w = [(w1, w3, w2)] + [(w1.clone(), w3.clone(), w2.clone()) for _ in range(copies - 1)]
     t0 = time.perf_counter()
     experts = [fk.PackedExpert(*ws) for ws in torch_w]
+    torch_w_objs = [ExpertWeights(*ws) for ws in torch_w]
     pack_s = (time.perf_counter() - t0) / copies
     limit_buf = fk.limit_buffer()
-
-    def torch_expert(x, a, b, c):
-        return F.linear(F.silu(F.linear(x, a)) * F.linear(x, b), c)
 
     feats = fk.features()
     print(f"# {platform.processor() or platform.machine()}, {threads} threads, kernel path {feats['isa']}"
@@ -85,7 +83,7 @@ def main(argv=None) -> list[dict]:
         # weight copy i % copies everywhere.
         for i in range(min(2, copies)):
             experts[i].forward(x, out=out, threads=threads)
-            torch_expert(x, *torch_w[i])
+            torch_expert(ExpertWeights(*torch_w[i]), x)
         limit, k_s, t_s = {"gbps": 0.0}, float("inf"), float("inf")
         for r in range(args.reps):
             c = r % copies
@@ -94,9 +92,9 @@ def main(argv=None) -> list[dict]:
             # the kernel runs after the limit's reads, not right after a torch op: torch's OpenMP
             # threads busy-wait after a parallel region and would share the cores with it (see API.md)
             k_s = min(k_s, best_time(lambda: experts[c].forward(x, out=out, threads=threads), 1))
-            t_s = min(t_s, best_time(lambda: torch_expert(x, *torch_w[c]), 1))
+            t_s = min(t_s, best_time(lambda: torch_expert(torch_w_objs[c], x), 1))
         experts[0].forward(x, out=out, threads=threads)
-        ref = torch_expert(x, *torch_w[0]).float()
+        ref = torch_expert(ExpertWeights(*torch_w[0]), x).float()
         diff = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         row = {
             "tokens": tokens,

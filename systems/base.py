@@ -11,7 +11,7 @@ import abc
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 from fiddler.plain import plain
 
@@ -45,15 +45,37 @@ def check_number(key: str, value: Any, low: float = 0.0, *, above: bool = False,
 
 @dataclass
 class SystemConfig:
-    """Options of one system: the base of every `systems/<name>/config.py` class. The runner composes
-    it from `conf/system/<name>.yaml` (types and enum values checked by Hydra, ranges by
-    `__post_init__`) and hands it to the adapter as this typed object."""
+    """Options of one system: the base of every `systems/<name>/config.py` class, and its registration.
+    A subclass whose `name` has a default is a system the harness offers as `system=<name>`
+    (systems/registry.py finds it, runners/schema.py stores it in Hydra's ConfigStore); a subclass of a
+    system that changes defaults and `name` is a preset (`fiddler_original`). Types and enum values are
+    checked by Hydra, ranges by `__post_init__`; the adapter gets this typed object."""
 
-    #: the structured-config name the system's yaml lists in its defaults (`<schema_name>`)
-    schema_name: ClassVar[str] = ""
+    #: the row's label in tables and figures (default: the name)
+    label: ClassVar[str] = ""
+    #: the pip extra the system's adapter needs (`pip install -e ".[<extra>]"`), None = the base install
+    extra: ClassVar[Optional[str]] = None
+    #: the paper's experiments (runners/paper.py): this row's place in its tables, None = not a row
+    paper_row: ClassVar[Optional[int]] = None
+    #: "fiddler" (a Fiddler row, compared with the baselines) or "baseline"
+    paper_role: ClassVar[Optional[str]] = None
+    #: what the paper's reported values (results/reference/paper/paper-reported.csv) call the system this row
+    #: runs as the paper ran it; None = a row the paper did not have
+    paper_name: ClassVar[Optional[str]] = None
+    #: False where the row models released code as the paper ran it (mode=simulate only), not today's code
+    today: ClassVar[bool] = True
 
     name: str = MISSING
     adapter: str = MISSING  # "package.module:ClassName", imported lazily
+
+    @classmethod
+    def system_name(cls) -> str:
+        """The `system=` choice this class is: its `name` default (MISSING for a base of several systems)."""
+        return cls.__dataclass_fields__["name"].default  # type: ignore[attr-defined]
+
+    @classmethod
+    def row_label(cls) -> str:
+        return cls.label or cls.system_name()
 
     @classmethod
     def build(cls, **options):
@@ -61,8 +83,19 @@ class SystemConfig:
         scripts and tests that make an adapter without Hydra)."""
         from omegaconf import OmegaConf
 
-        options = {"name": cls.schema_name.removesuffix("_schema"), "adapter": "", **options}
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), options))
+
+    def thread_count(self, env_threads: int) -> int:
+        """The CPU threads this system runs with: the environment's `cpu.threads` unless the system has a
+        thread option of its own set (EngineSystemConfig's cpu_threads, llama.cpp's threads)."""
+        return int(env_threads)
+
+    def popularity(self, model_name: str):
+        """The expert popularity this system places by (fiddler.popularity.Popularity, a profile file, or None
+        for uniform): the model's reference profile (systems/fiddler/profiles.py)."""
+        from systems.fiddler.profiles import placement_popularity
+
+        return placement_popularity(None, model_name)
 
     def sim_policy(self):
         """This system's policy for `mode=simulate`: a `fiddler.sim.SimPolicy` built from these options

@@ -45,7 +45,7 @@ class EngineAdapter(SystemAdapter):
         self.gpu, self.budget_source = self.gpu_side()
         self.engine = Engine.from_pretrained(
             self.model.path, dtype=getattr(torch, self.model.dtype), gpu=self.gpu, executor=self.executor_factory(),
-            cpu_threads=self.config.cpu_threads or self.ctx.threads,
+            cpu_threads=self.config.thread_count(self.ctx.threads),
             max_seq_len=self.ctx.max_seq_len, max_batch=self.ctx.max_batch, quant=self.weight_quant,
         )
         self.recorder = None

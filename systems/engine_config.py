@@ -15,6 +15,9 @@ class EngineSystemConfig(SystemConfig):
     # (fiddler.sim.trace format; mode=simulate replays it with sim.trace=<file>)
     record_routing: bool = False
 
+    def thread_count(self, env_threads: int) -> int:
+        return int(self.cpu_threads if self.cpu_threads is not None else env_threads)
+
     def __post_init__(self) -> None:
         if self.cpu_threads is not None:
             check(lambda: self.cpu_threads >= 1, "system.cpu_threads", self.cpu_threads, "null or an integer >= 1")

@@ -1,4 +1,4 @@
-"""scripts/compare.py and runners/compare.py: two record sets compared configuration by configuration.
+"""runners/compare.py (and its command, python -m runners.compare): two record sets compared configuration by configuration.
 Hand-made records (metrics computed from their raw repetitions by runners/measure.py, as the runner does),
 known answers; no timing is measured here."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from runners import compare
 from runners.measure import Sample, metrics_of, raw_of
-from scripts.compare import main
+from runners.compare import main
 
 ROOT = Path(__file__).resolve().parents[1]
 STEADY = (2.0, 2.02, 1.98, 2.01, 1.99)  # decode seconds of five repetitions, ~1% apart
@@ -251,7 +251,7 @@ def test_the_cli_prints_a_table_and_json_parses_back(tmp_path):
     b = write(tmp_path / "b" / "x" / "records.jsonl",
               [rec("fiddler", tuple(d / 2 for d in STEADY)), rec("llama_cpp", (3.0,)),
                rec("mixtral_offloading", status="oom", reason="too big")])
-    run = subprocess.run([sys.executable, "scripts/compare.py", str(a), str(tmp_path / "b")], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "runners.compare", str(a), str(tmp_path / "b")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
@@ -266,7 +266,7 @@ def test_the_cli_prints_a_table_and_json_parses_back(tmp_path):
     fid = next(l for l in table if l.startswith("| fiddler "))
     assert "B faster" in fid and " ± " in fid
 
-    run = subprocess.run([sys.executable, "scripts/compare.py", str(a), str(tmp_path / "b"), "--format", "json",
+    run = subprocess.run([sys.executable, "-m", "runners.compare", str(a), str(tmp_path / "b"), "--format", "json",
                           "--where", "system=mixtral_offloading"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -40,12 +40,12 @@ def test_the_limit_is_the_environments_with_the_strategies_of_this_runs_measurem
     from runners import decode_bound as db
 
     measured = {"gbps": 31.27, "best": "read_t0_2t", "strategies": {"read_t0_2t": 31.27}}
-    monkeypatch.setattr(db.detect, "known_read_limit", lambda: measured)
+    monkeypatch.setattr(db.hardware, "known_read_limit", lambda: measured)
     assert db.environment_limit(31.3) == measured  # environment=local: the value it reported, named
     own = db.environment_limit(80.0)  # described or overridden: the configured value, said so
     assert own["gbps"] == 80.0 and own["strategies"] == {} and "as configured" in own["best"]
     assert db.environment_limit(0.0) is None
-    monkeypatch.setattr(db.detect, "known_read_limit", lambda: None)
+    monkeypatch.setattr(db.hardware, "known_read_limit", lambda: None)
     assert db.environment_limit(31.3)["strategies"] == {}
 
 
@@ -57,6 +57,6 @@ def test_a_measured_limit_reaches_child_processes(monkeypatch):
 
     measured = {"gbps": 12.5, "best": "gemv_fp32_2t", "strategies": {"gemv_fp32_2t": 12.5}, "threads": 2}
     monkeypatch.setenv("FIDDLER_READ_LIMIT", json.dumps(measured))
-    out = subprocess.run([sys.executable, "-c", "import json; from runners import detect; "
-                          "print(json.dumps(detect.known_read_limit()))"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", "import json; from runners import hardware; "
+                          "print(json.dumps(hardware.known_read_limit()))"], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == measured

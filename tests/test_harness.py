@@ -16,11 +16,12 @@ from runners import records, tables
 from runners.main import prepare, run_job
 from runners.schema import ConfigError
 from runners.workloads import expand, synthetic_prompt
+from systems.registry import system_classes
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 ENVIRONMENTS = sorted(p.stem for p in (CONF / "environment").glob("*.yaml"))
 WORKLOADS = sorted(p.stem for p in (CONF / "workload").glob("*.yaml"))
-SYSTEMS = sorted(p.stem for p in (CONF / "system").glob("*.yaml"))
+SYSTEMS = sorted(system_classes())  # every system and preset: its config class is its registration
 FAKE = "system.adapter=tests.fake_systems:FakeSystem"
 
 
@@ -40,8 +41,8 @@ def test_groups_have_the_documented_options():
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_every_combination_composes_and_validates(environment, workload, system):
     conf, resolved = prepare(cfg_of(f"environment={environment}", f"workload={workload}", f"system={system}"))
-    # a preset (fiddler_paper, llama_cpp_cpu_moe, ...) is its base system with other options
-    assert conf.system.name == system or system.startswith(f"{conf.system.name}_")
+    # a preset (fiddler_paper, llama_cpp_cpu_moe, ...) is a system with its own name and class
+    assert conf.system.name == system and type(conf.system) is system_classes()[system]
     env = resolved["environment"]
     for key in ("name", "memory_gb", "mem_bandwidth_gbps", "bf16_tflops"):
         assert key in env["gpu"]

@@ -148,7 +148,7 @@ def test_tables_say_what_produced_the_numbers_in_the_header_and_on_every_row(tmp
     import json
 
     from runners import tables
-    from scripts.tables import main as tables_main
+    from runners.tables import main as tables_main
 
     recs = [_rec("a", "execute"), _rec("b", "execute", emulated=True), _rec("c", "simulate")]
     md = tables.to_markdown(tables.build(recs))

@@ -9,7 +9,7 @@ import torch
 from fiddler import latency
 from fiddler.config import MoEConfig
 from fiddler.latency import HardwareSpec, LatencyModel, calibrate, fit_linear, fit_roofline
-from runners.hardware_spec import hardware_spec
+from runners.hardware import hardware_spec
 
 MIXTRAL = MoEConfig(hidden_size=4096, intermediate_size=14336, num_layers=32, num_experts=8, top_k=2, num_heads=32,
                     num_kv_heads=8, head_dim=128, vocab_size=32000)

@@ -1,4 +1,4 @@
-"""scripts/measure_hf_layer_overhead.py runs on a CPU at tiny dims and writes the JSON the device check reads.
+"""benchmarks/tools/measure_hf_layer_overhead.py runs on a CPU at tiny dims and writes the JSON the device check reads.
 
 Structure only, not timings. With FIDDLER_HF436_SITE=<folder holding transformers 4.36.2 and its pins> (e.g.
 `pip install --no-deps --target /tmp/site436-cpu transformers==4.36.2 tokenizers==0.15.2 huggingface-hub==0.20.3`,
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "measure_hf_layer_overhead.py"
+SCRIPT = ROOT / "benchmarks" / "tools" / "measure_hf_layer_overhead.py"
 MODEL_VARIANTS = ("full", "router_only", "no_moe")
 RELEASE_VARIANTS = ("fiddler_loop", "fiddler_loop_plan")
 SITE_436 = os.environ.get("FIDDLER_HF436_SITE")

@@ -1,4 +1,4 @@
-"""scripts/measure_pageable_copy.py runs on a CPU at tiny dims and writes the JSON its README reads (structure,
+"""benchmarks/tools/measure_pageable_copy.py runs on a CPU at tiny dims and writes the JSON its README reads (structure,
 not timings: on a CPU there is no pinned memory and the figures mean nothing)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_measure_pageable_copy_cpu(tmp_path):
     out = tmp_path / "copy.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "measure_pageable_copy.py"), "--device", "cpu",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tools" / "measure_pageable_copy.py"), "--device", "cpu",
                         "--tiny", "--reps", "2", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())

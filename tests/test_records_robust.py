@@ -3,6 +3,7 @@ file:line and skipped, and a row is never `ok` without its metrics. Run files ge
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -13,10 +14,7 @@ import pytest
 from runners import records, tables
 from tests.test_harness import _job
 
-_spec = importlib.util.spec_from_file_location(
-    "tables_script", Path(__file__).resolve().parents[1] / "scripts" / "tables.py")
-tables_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tables_script)
+tables_script = tables  # the command is runners.tables.main
 
 GOOD = {"schema_version": 1, "run_id": "r1", "time": "2026-01-01T00:00:00+00:00", "status": "ok", "reason": None,
         "system": "s", "model": "m", "workload": "w", "environment": "e", "mode": "execute",
@@ -35,7 +33,7 @@ def test_non_utf8_index_line_is_skipped_and_the_run_goes_on(tmp_path, capsys):
 
 
 def test_tables_script_skips_non_utf8_lines(tmp_path, capsys):
-    """Bug 3, scripts/tables.py: the same byte crashed the table builder."""
+    """Bug 3, runners/tables.py: the same byte crashed the table builder."""
     path = tmp_path / "index.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe garbage\n")
     with pytest.warns(UserWarning, match=r"index.jsonl:2"):
@@ -58,7 +56,7 @@ def test_tables_script_skips_non_utf8_lines(tmp_path, capsys):
     ({**GOOD, "metrics": {**GOOD["metrics"], "best": [1]}}, "metrics.best"),
 ])
 def test_wrong_shapes_are_reported_and_never_an_ok_row(tmp_path, capsys, bad, why):
-    """Bug 4: valid JSON of the wrong shape crashed scripts/tables.py (AttributeError, TypeError) or
+    """Bug 4: valid JSON of the wrong shape crashed runners/tables.py (AttributeError, TypeError) or
     became an `ok` row of nan."""
     path = tmp_path / "index.jsonl"
     path.write_text(json.dumps(bad) + "\n" + json.dumps(GOOD) + "\n")
@@ -101,6 +99,8 @@ def test_run_files_get_the_users_umask(tmp_path):
 
 
 def _script(name: str):
+    if name in ("tables", "compare"):  # commands of their runners modules (python -m runners.<name>)
+        return importlib.import_module(f"runners.{name}")
     spec = importlib.util.spec_from_file_location(f"{name}_script", Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -120,7 +120,7 @@ def _set(rec: dict, path: str, value) -> dict:
     return rec
 
 
-# every nested field the table tools (scripts/tables.py, compare.py, plot.py) take apart, each with values of a
+# every nested field the table tools (runners/tables.py, compare.py, plot.py) take apart, each with values of a
 # kind they cannot use; the issue's probes first
 ODD_FIELDS = [("host", "x"), ("environment_info", "x"), ("decode_bound", [1, 2]), ("config.environment", "x"),
               ("point.concurrency", [1]), ("host", [1]), ("host.cpu_name", [1]), ("host.cpu_name", {"a": 1}),
@@ -133,7 +133,7 @@ ODD_FIELDS = [("host", "x"), ("environment_info", "x"), ("decode_bound", [1, 2])
 @pytest.mark.parametrize("path, value", ODD_FIELDS, ids=[f"{p}={json.dumps(v)}" for p, v in ODD_FIELDS])
 def test_table_tools_skip_a_line_with_an_odd_field_naming_file_line_and_field(tmp_path, capsys, path, value):
     """Bug 10 (issue 55): `"host":"x"`, `"environment_info":"x"`, `"decode_bound":[1,2]`, config.environment a
-    string or a list inside `point` crashed scripts/tables.py, compare.py and plot.py (AttributeError,
+    string or a list inside `point` crashed runners/tables.py, compare.py and plot.py (AttributeError,
     TypeError, exit 1). Each tool now skips that line, says file:line and which field, and goes on."""
     index = tmp_path / "index.jsonl"
     index.write_text(json.dumps(_set(GOOD, path, value)) + "\n" + json.dumps(GOOD) + "\n")

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from fiddler import hardware
-from runners import detect, records
+from runners import records
+from runners.hardware import _FACTS
 from tests.test_harness import _job
 
 
@@ -22,8 +23,8 @@ def varying_probe(monkeypatch):
         calls.append(1)
         return next(bandwidths)
 
-    monkeypatch.setitem(detect._FACTS, "cpu.mem_bandwidth_gbps", probe)
-    monkeypatch.setitem(detect._FACTS, "cpu.cores", lambda: next(cores))
+    monkeypatch.setitem(_FACTS, "cpu.mem_bandwidth_gbps", probe)
+    monkeypatch.setitem(_FACTS, "cpu.cores", lambda: next(cores))
     return calls
 
 
@@ -59,3 +60,20 @@ def test_a_job_with_nothing_left_loads_no_model(tmp_path, monkeypatch, varying_p
 
     rows = md_table.dicts((tmp_path / "b" / "table.md").read_text())  # the resumed rows are in the table
     assert [(r["system"], r["input"]) for r in rows] == [("hf_transformers", "8"), ("hf_transformers", "9")]
+
+
+def test_records_of_other_code_are_not_resumed_and_resume_says_why(tmp_path, monkeypatch, capsys, varying_probe):
+    """A config hash includes the code's commit: a sweep recorded before a move of the code (or any commit)
+    is measured again, and resume says which records it did not use and why."""
+    first = _job(tmp_path, "workload.input_lens=[8,9]", "run.isolation=inline", name="a")
+    before = records.code_version()["version"]
+    monkeypatch.setattr(records, "code_version", lambda: {"version": "after-the-move", "commit": None, "dirty": None})
+    capsys.readouterr()
+    second = _job(tmp_path, "workload.input_lens=[8,9]", "run.isolation=inline", name="b")
+    assert [r.get("resumed_from") for r in second] == [None, None] and first[0]["code"]["version"] == before
+    err = capsys.readouterr().err
+    assert f"resume: not resumed: ok records of these configurations from other code (2 at {before})" in err
+    assert "config_hash" in err
+    third = _job(tmp_path, "workload.input_lens=[8,9]", "run.isolation=inline", name="c")  # the same code: resumed
+    assert [r.get("resumed_from") for r in third] == [second[0]["run_id"], second[1]["run_id"]]
+    assert "not resumed" not in capsys.readouterr().err

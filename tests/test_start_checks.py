@@ -178,7 +178,7 @@ def test_system_adapter_must_name_a_system_adapter_class(spec, words, mode):
     msg = str(err.value)
     assert msg.startswith(f"system.adapter={spec!r}") and words in msg and "\n" not in msg
     assert msg.endswith("allowed: module:Class naming a concrete subclass of systems.base.SystemAdapter "
-                        "(as in conf/system/*.yaml)")
+                        "(a system's config class names its own)")
 
 
 def test_run_py_refuses_a_bad_adapter_with_exit_2_and_a_sweep_refuses_its_job(tmp_path):

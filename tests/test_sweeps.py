@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runners import detect
+from runners.hardware import measured_cpu_bandwidth
 from runners.records import read_records
 from tests.test_cli import run_py
 
@@ -15,8 +15,8 @@ TINY = ["model=tiny_mixtral", "workload.input_lens=[8]", "workload.output_lens=[
 
 @pytest.fixture(scope="module", autouse=True)
 def one_read_limit_probe():
-    """environment=local's bandwidth probe once here, not in every run.py: they inherit it (runners.detect)."""
-    detect.measured_cpu_bandwidth()
+    """environment=local's bandwidth probe once here, not in every run.py: they inherit it (runners.hardware)."""
+    measured_cpu_bandwidth()
 
 
 def _sweep(tmp_path, *args: str):

@@ -1,4 +1,4 @@
-"""scripts/tables.py's formats, filters and pivot on hand-made records, including a set that mixes simulated
+"""runners/tables.py's formats, filters and pivot on hand-made records, including a set that mixes simulated
 and measured rows (never one row, never averaged) and a configuration missing for one system."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ RECS = [rec("fiddler", 20.0), rec("llama_cpp", 10.0), rec("fiddler", 40.0, input
 def run(tmp_path, *args):
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECS))
-    res = subprocess.run([sys.executable, "scripts/tables.py", str(path), *args], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "runners.tables", str(path), *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     return res
 

@@ -21,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .. import options as engine_options
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see the README's "OpenMP" note
 API_KEY_ENV = "FIDDLER_API_KEY"
 
@@ -32,14 +34,7 @@ def parse_args(argv=None):
     ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: DIR's name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--gpu-budget-gb", type=float, default=None,
-                    help="GPU memory for the engine (default: 90%% of free CUDA memory; 0: no GPU; without CUDA a "
-                         "budget > 0 is emulated on the CPU device)")
-    ap.add_argument("--planner", choices=["makespan", "paper"], default="makespan")
-    ap.add_argument("--placement", default="popularity",
-                    help="popularity | random | none | all | fraction:X (fiddler.placement)")
-    ap.add_argument("--popularity", default=None, help="an expert-popularity JSON for placement=popularity")
-    ap.add_argument("--quant", choices=["q8_0", "q4_0"], default=None, help="experts and attention as llama.cpp blocks")
+    engine_options.add_arguments(ap)  # the engine's options, one table with the harness's system=fiddler
     ap.add_argument("--slots", type=int, default=8, help="requests decoded at once (KV-cache rows)")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
     ap.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (chunked prefill)")
@@ -51,7 +46,6 @@ def parse_args(argv=None):
                          "only the rest (0: off)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="KV-cache positions per slot (default: min(context, 4096))")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     g = ap.add_argument_group("what a client may send")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")

@@ -12,7 +12,7 @@
   GPU memory (FastGen does not offload). Without CUDA it is tried and the failure DeepSpeed gives
   becomes the ``skipped`` reason.
 
-Options (``conf/system/deepspeed_mii.yaml``): engine, offload_device (cpu | nvme), pin_memory,
+Options (``systems/deepspeed_mii/config.py``): engine, offload_device (cpu | nvme), pin_memory,
 nvme_path, zero_overrides (merged into ``zero_optimization``), tensor_parallel and max_length (mii).
 """
 from __future__ import annotations

@@ -12,23 +12,21 @@ class FiddlerAdapter(EngineAdapter):
     def executor_factory(self):
         from fiddler.executors import FiddlerPolicy
 
-        from .profiles import placement_popularity
-
         c = self.config
         if c.original:
             from systems.base import SystemUnavailable
 
             raise SystemUnavailable("system.original=true models the released Fiddler (efeslab/fiddler@227715b) in "
                                     "mode=simulate only; execute mode runs this project's engine")
-        popularity = placement_popularity(c.popularity_profile, self.model.name)
+        popularity = c.popularity(self.model.name)
         return FiddlerPolicy(placement=c.placement.value, popularity=popularity, planner=c.planner.value,
                              overlap=c.overlap)
 
     def server_command(self, serve) -> list[str]:
-        """fiddler.server with this system's options (placement, planner, profile, quant, GPU budget)."""
+        """fiddler.server with this system's options: the engine's flags from its one table (fiddler/options.py)."""
         import sys
 
-        from .profiles import placement_popularity
+        from fiddler.options import command_line
 
         c = self.config
         if c.original:
@@ -44,10 +42,8 @@ class FiddlerAdapter(EngineAdapter):
                self.model.name, "--host", serve.host, "--port", str(serve.port), "--slots", str(serve.slots),
                "--max-queue", str(serve.max_queue), "--token-budget", str(serve.token_budget),
                "--max-seq-len", str(serve.max_seq_len), "--dtype", self.model.dtype,
-               "--drain-timeout", f"{serve.drain_timeout_s:g}", "--gpu-budget-gb", f"{gb:g}",
-               "--cpu-threads", str(c.cpu_threads or self.ctx.threads), "--planner", c.planner.value,
-               "--placement", c.placement.value]
-        popularity = placement_popularity(c.popularity_profile, self.model.name)
+               "--drain-timeout", f"{serve.drain_timeout_s:g}"]
+        popularity = c.popularity(self.model.name)
         if popularity is not None and not isinstance(popularity, str):  # the reference (a mean), as a file
             from pathlib import Path
 
@@ -55,11 +51,9 @@ class FiddlerAdapter(EngineAdapter):
             popularity = Path(self.ctx.cache_dir) / "serve" / f"{self.model.name}-reference-popularity.json"
             popularity.parent.mkdir(parents=True, exist_ok=True)
             reference.save(popularity)
-        if popularity:
-            cmd += ["--popularity", str(popularity)]
-        if c.quant:
-            cmd += ["--quant", c.quant]
-        return cmd
+        return cmd + command_line(gpu_budget_gb=gb, cpu_threads=c.thread_count(self.ctx.threads),
+                                  planner=c.planner.value, placement=c.placement.value,
+                                  popularity=str(popularity) if popularity else None, quant=c.quant)
 
     def server_notes(self) -> dict:
         return {"server": "fiddler.server (fiddler.batch.BatchEngine: continuous batching)"}

@@ -1,4 +1,4 @@
-"""Options of `system=hf_transformers` (conf/system/hf_transformers.yaml)."""
+"""`system=hf_transformers`: the options and their defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,9 +16,12 @@ class ExpertsImpl(Enum):
 
 @dataclass
 class HFTransformersConfig(SystemConfig):
-    schema_name = "hf_transformers_schema"
+    """Plain transformers generate(): the numerical and performance reference."""
 
-    # transformers' MoE experts implementation; auto = the fastest on a CPU (grouped_mm when registered)
+    name: str = "hf_transformers"
+    adapter: str = "systems.hf_transformers.adapter:HFTransformersAdapter"
+    # transformers' MoE experts implementation; auto = grouped_mm when registered, the fastest on a CPU (ahead
+    # of eager; batched_mm is far slower there); the record states the one used
     experts_implementation: ExpertsImpl = ExpertsImpl.auto
 
     def sim_policy(self):

@@ -6,7 +6,7 @@ the request's token ids directly (no re-tokenising). Greedy decoding produces ex
 ``max_new_tokens`` argmax tokens (end-of-sequence is an ordinary token); ``beam_width > 1`` runs
 :func:`systems.llama_cpp.beam.beam_search` on llama.cpp's KV-cache sequences.
 
-Options (``conf/system/llama_cpp.yaml``):
+Options (``systems/llama_cpp/config.py``):
 
 - ``quant``: ``bf16`` (default), ``f32``, ``f16``, ``q8_0`` (written by the converter) or a
   quantizer type (``q4_0``, ``q4_k_m``, ... see :data:`convert.SUPPORTED_QUANTS`);

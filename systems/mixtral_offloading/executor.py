@@ -27,7 +27,6 @@ y * w in the model dtype, summed over the top-k slots), so the unquantized polic
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -37,7 +36,7 @@ from fiddler.executors import (COPY, GPU, BuildContext, CopyIn, ExpertExecutor, 
                                SlotOutputs, StatsBase, kind_counter, torch_expert)
 from fiddler.model import rms_norm
 
-from .cache import DEFAULT_CACHE_SIZE, choose_cache_size, initial_residents
+from .cache import DEFAULT_CACHE_SIZE, ExpertLRU, choose_cache_size, initial_residents
 from .config import PrefetchInput
 
 PREFETCH_INPUTS = tuple(p.value for p in PrefetchInput)
@@ -179,15 +178,14 @@ class OffloadingExecutor(ExpertExecutor):
         # Device cache: cache_size slots per layer, allocated once; lru[l]: expert -> slot, LRU first.
         self.slots = [[tuple(torch.empty_like(t, device=self.device) for t in self.host[l][0])
                        for _ in range(cache_size)] for l in range(L)]
-        self.lru: list[OrderedDict[int, int]] = []
+        self.lru: list[ExpertLRU] = []
         for l in range(L):
-            od: OrderedDict[int, int] = OrderedDict()
+            od = ExpertLRU()
             for s, e in enumerate(initial_residents(E, cache_size)):
                 for dst, src in zip(self.slots[l][s], self.host[l][e]):
                     dst.copy_(src)
-                od[e] = s
+                od.add(e, s)
             self.lru.append(od)
-        self.prefetched: list[set[int]] = [set() for _ in range(L)]
         self.copy_in = CopyIn(self.device, L * cache_size)  # slot s of layer l is copy slot l * cache_size + s
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -252,10 +250,8 @@ class OffloadingExecutor(ExpertExecutor):
 
     def _evict(self, layer: int) -> int:
         """Free the least recently used slot of `layer` and return it."""
-        e, slot = self.lru[layer].popitem(last=False)
-        if e in self.prefetched[layer]:
-            self.prefetched[layer].discard(e)
-            self.stats.prefetch_evicted_unused += 1
+        slot, unused = self.lru[layer].evict()
+        self.stats.prefetch_evicted_unused += unused
         return slot
 
     def _copy_in(self, layer: int, e: int, slot: int) -> None:
@@ -282,8 +278,7 @@ class OffloadingExecutor(ExpertExecutor):
         groups = ExpertGroups(topk_idx, self.config.num_experts, layer)
         counts, active = groups.counts, groups.active()
         cache, st, ls = self.lru[layer], self.stats, self.stats.layers[layer]
-        hits = [e for e in active if e in cache]
-        misses = [e for e in active if e not in cache]
+        hits, misses = cache.split(active)
         combined = SlotOutputs(x, K)
 
         def run(e: int, slot: int) -> None:
@@ -292,9 +287,7 @@ class OffloadingExecutor(ExpertExecutor):
 
         # Hits first (marked most recently used), then each miss evicts the LRU slot and is copied in.
         for e in hits:
-            cache.move_to_end(e)
-            if e in self.prefetched[layer]:
-                self.prefetched[layer].discard(e)
+            if cache.use(e):  # the first use of a prefetched expert
                 st.prefetch_hits += 1
                 ls.prefetch_hits += 1
         for e in hits:
@@ -302,7 +295,7 @@ class OffloadingExecutor(ExpertExecutor):
         for e in misses:
             slot = self._evict(layer)
             self._copy_in(layer, e, slot)
-            cache[e] = slot
+            cache.add(e, slot)
             run(e, slot)
         out = combined.sum()
 
@@ -356,18 +349,11 @@ class OffloadingExecutor(ExpertExecutor):
         t0 = time.perf_counter()
         guesses = self.guess_next(layer, x, normed)
         cache, st, ls = self.lru[nxt], self.stats, self.stats.layers[nxt]
-        for e in guesses:  # guessed experts already cached become most recently used (kept)
-            if e in cache:
-                cache.move_to_end(e)
-        copied = []
-        for e in guesses:
-            if e in cache:
-                continue
+        copied = cache.to_prefetch(guesses)  # guessed experts already cached become most recently used (kept)
+        for e in copied:
             slot = self._evict(nxt)
             self._copy_in(nxt, e, slot)
-            cache[e] = slot
-            self.prefetched[nxt].add(e)
-            copied.append(e)
+            cache.add(e, slot, prefetched=True)
         st.prefetch_calls += 1
         st.prefetch_copies += len(copied)
         ls.prefetch_copies += len(copied)

@@ -14,13 +14,13 @@ issued non-blocking on the current CUDA stream, the one the experts compute on: 
 compute run one after another (on the clock: all three on the GPU lane). Its host copies are pinned
 (`ExpertCache` pins every offloaded storage), so both copies run at the pinned PCIe rate. That released code
 loads on demand only (no speculative prefetch: use prefetch=false with it, as
-conf/system/mixtral_offloading_original.yaml does). Its per-expert `.tolist()` host syncs are inside the
+the preset mixtral_offloading_original does). Its per-expert `.tolist()` host syncs are inside the
 per-layer transformers floor, not modelled one by one. The cache size the Fiddler authors ran it with on the
 Ada 6000 (offload_per_layer = 5, i.e. cache_size 3) is set by runners/validate_sim.py for that comparison.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from fiddler.executors import COPY, GPU, kind_counter
 from fiddler.sim import SimContext, SimPolicy, Step
 from fiddler.sim.fiddler_policy import ATTENTION_LAUNCHES
 
-from .cache import choose_cache_size, initial_residents
+from .cache import ExpertLRU, choose_cache_size, initial_residents
 
 
 class MixtralOffloadingSimPolicy(SimPolicy):
@@ -59,21 +59,18 @@ class MixtralOffloadingSimPolicy(SimPolicy):
         self.st = {"calls": 0, "routed_tokens": 0, "token_hits": 0, "hits": 0, "misses": 0, "prefetch_copies": 0,
                    "prefetch_hits": 0, "prefetch_evicted_unused": 0, "bytes_copied_demand": 0,
                    "bytes_copied_prefetch": 0, "tokens": kind_counter(), "experts": kind_counter()}
-        self.lru: list[OrderedDict] | None = None  # built on the first layer call (needs the model shape)
+        self.lru: list[ExpertLRU] | None = None  # built on the first layer call (needs the model shape)
 
     def _caches(self, ctx: SimContext) -> None:
         E = ctx.config.num_experts
-        # least recently used first (cache.initial_residents)
-        self.lru = [OrderedDict((e, 0.0) for e in initial_residents(E, self.cache_size))
+        # least recently used first (cache.initial_residents); each expert keeps when its slot is free
+        self.lru = [ExpertLRU((e, 0.0) for e in initial_residents(E, self.cache_size))
                     for _ in range(ctx.config.num_layers)]
-        self.prefetched = [set() for _ in range(ctx.config.num_layers)]
 
     def _evict(self, layer: int) -> float:
         """Evict the LRU expert of `layer`; returns when its slot is free (its last compute ended)."""
-        e, free_at = self.lru[layer].popitem(last=False)
-        if e in self.prefetched[layer]:
-            self.prefetched[layer].discard(e)
-            self.st["prefetch_evicted_unused"] += 1
+        free_at, unused = self.lru[layer].evict()
+        self.st["prefetch_evicted_unused"] += unused
         return free_at
 
     def layer(self, clock, ctx: SimContext, step: Step, layer: int, routing, ready: float) -> float:
@@ -88,15 +85,9 @@ class MixtralOffloadingSimPolicy(SimPolicy):
         floor = hw.eff.gpu.hf_layer_overhead_s if self.original_swap else hw.eff.gpu.engine_layer_overhead_s
         g = clock.gpu.run(ready, max(hw.gpu(nbytes, flops, ATTENTION_LAUNCHES), floor))
         cache, st = self.lru[layer], self.st
-        active = [int(e) for e in np.nonzero(counts)[0]]
-        hits = [e for e in active if e in cache]
-        misses = [e for e in active if e not in cache]
-        for e in hits:
-            landed = cache.pop(e)  # most recently used now; `landed`: when its (prefetch) copy arrived
-            cache[e] = landed
-            if e in self.prefetched[layer]:
-                self.prefetched[layer].discard(e)
-                st["prefetch_hits"] += 1
+        hits, misses = cache.split(int(e) for e in np.nonzero(counts)[0])
+        for e in hits:  # most recently used now; cache[e]: when its (prefetch) copy arrived
+            st["prefetch_hits"] += cache.use(e)
         for e in hits:
             g = clock.gpu.run(max(g, cache[e]), hw.gpu(eb, fpt * int(counts[e])))
             cache[e] = g
@@ -110,7 +101,7 @@ class MixtralOffloadingSimPolicy(SimPolicy):
             else:
                 copied = clock.h2d.run(max(ready, slot_free), hw.h2d(eb))
             g = clock.gpu.run(max(g, copied), hw.gpu(eb, fpt * int(counts[e])))
-            cache[e] = g
+            cache.add(e, g)
         n_hit = int(sum(counts[e] for e in hits))
         st["calls"] += 1
         st["routed_tokens"] += int(ids.size)
@@ -132,15 +123,9 @@ class MixtralOffloadingSimPolicy(SimPolicy):
         score = Counter(guess.ravel().tolist())
         guesses = [e for e, _ in sorted(score.items(), key=lambda kv: (-kv[1], kv[0]))[:self.k]]
         cache = self.lru[nxt]
-        for e in guesses:
-            if e in cache:
-                cache.move_to_end(e)
-        for e in guesses:
-            if e in cache:
-                continue
+        for e in cache.to_prefetch(guesses):
             slot_free = self._evict(nxt)
-            cache[e] = clock.h2d.run(max(at, slot_free), ctx.hw.h2d(ctx.costs.expert_bytes))
-            self.prefetched[nxt].add(e)
+            cache.add(e, clock.h2d.run(max(at, slot_free), ctx.hw.h2d(ctx.costs.expert_bytes)), prefetched=True)
             self.st["prefetch_copies"] += 1
             self.st["bytes_copied_prefetch"] += ctx.costs.expert_bytes
 

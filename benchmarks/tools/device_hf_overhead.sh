@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # transformers' per-layer decode floor on a CUDA machine, under the installed transformers and under 4.36.2 (the
-# released Fiddler's pin, efeslab/fiddler@227715b:requirements.txt#L3): scripts/measure_hf_layer_overhead.py at
+# released Fiddler's pin, efeslab/fiddler@227715b:requirements.txt#L3): benchmarks/tools/measure_hf_layer_overhead.py at
 # small_mixtral's dims and at Mixtral-8x7B's dims with 4 layers, each way.
 #
-#   bash scripts/device_hf_overhead.sh        # from the repository root, with .whl436/ carried along
+#   bash benchmarks/tools/device_hf_overhead.sh        # from the repository root, with .whl436/ carried along
 #
 # .whl436/ (git-ignored, carried) holds transformers 4.36.2 and the two pins of it that a transformers-5 machine has
 # too new: tokenizers 0.15.2 (<0.19) and huggingface-hub 0.20.3 (<1.0); their other needs (requests, regex,
@@ -23,7 +23,7 @@ OUT=${OUT:-/tmp/hf_overhead}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-S=scripts/measure_hf_layer_overhead.py
+S=benchmarks/tools/measure_hf_layer_overhead.py
 RUN_S=${RUN_S:-40}       # hard limit per run
 BUDGET_S=${BUDGET_S:-28} # the script starts no new variant after this (its JSON keeps what finished)
 HF_ARGS=${HF_ARGS:-}      # extra arguments for every run (word-split)

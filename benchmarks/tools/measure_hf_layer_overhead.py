@@ -7,13 +7,13 @@ input_layernorm, self_attn, post_attention_layernorm and router gate in transfor
 (src/fiddler/mixtral.py#L482-505) and its experts by itself, so the floor the simulator charges per layer is
 that of attention + norms + router, without the experts.
 
-    python scripts/measure_hf_layer_overhead.py --out hf.json                       # small_mixtral dims, CUDA
-    python scripts/measure_hf_layer_overhead.py --mixtral-8x7b-layers 4 --out hf8x7b.json
-    python scripts/measure_hf_layer_overhead.py --device cpu --tiny --out t.json     # a quick CPU check
+    python benchmarks/tools/measure_hf_layer_overhead.py --out hf.json                       # small_mixtral dims, CUDA
+    python benchmarks/tools/measure_hf_layer_overhead.py --mixtral-8x7b-layers 4 --out hf8x7b.json
+    python benchmarks/tools/measure_hf_layer_overhead.py --device cpu --tiny --out t.json     # a quick CPU check
 
 Standalone on purpose (torch, transformers and the standard library; numpy only inside the release's plan
 variant, as the release itself uses it): it runs unchanged under transformers 4.36.2 (the release's pin) and 5.x,
-e.g. with the 4.36.2 wheels unpacked to a folder on PYTHONPATH (scripts/device_hf_overhead.sh).
+e.g. with the 4.36.2 wheels unpacked to a folder on PYTHONPATH (benchmarks/tools/device_hf_overhead.sh).
 
 The model: MixtralForCausalLM from a MixtralConfig with random weights (transformers' own init), built on the
 device in bf16 with attn_implementation="eager". The release loads the checkpoint with from_pretrained and default
@@ -519,7 +519,7 @@ def main(argv=None) -> int:
     dims, dims_src = dims_of(args)
     torch.manual_seed(0)
     res: dict = {
-        "script": "scripts/measure_hf_layer_overhead.py", "transformers": transformers.__version__,
+        "script": "benchmarks/tools/measure_hf_layer_overhead.py", "transformers": transformers.__version__,
         "transformers_path": os.path.dirname(transformers.__file__), "torch": torch.__version__,
         "python": platform.python_version(), "device": str(dev),
         "gpu_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,

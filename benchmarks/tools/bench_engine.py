@@ -1,8 +1,8 @@
 """Side-by-side speed of the Fiddler engine and transformers on one model, in one process.
 
-    python scripts/bench_engine.py                       # small_mixtral (generated on first use), bf16
-    python scripts/bench_engine.py --model PATH --prompt-len 128 --new-tokens 32 --repeats 3
-    python scripts/bench_engine.py --no-hf --compare-fastpath   # fused decode kernels on vs torch ops
+    python benchmarks/tools/bench_engine.py                       # small_mixtral (generated on first use), bf16
+    python benchmarks/tools/bench_engine.py --model PATH --prompt-len 128 --new-tokens 32 --repeats 3
+    python benchmarks/tools/bench_engine.py --no-hf --compare-fastpath   # fused decode kernels on vs torch ops
 
 Both systems are timed the same way from outside: prefill = time to the first new token of a
 1-token generation; decode tok/s = (N-1) / (time(generate N) - time(generate 1)). Runs alternate
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from fiddler import Engine  # noqa: E402
-from runners import detect  # noqa: E402
+from runners.hardware import measured_cpu_bandwidth  # noqa: E402
 from runners.decode_bound import decode_bound  # noqa: E402
 from runners.models import synthetic_model  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> int:
         r["prefill_tok_s"] = args.prompt_len / r["prefill_s"]
     bound = decode_bound(str(path), "bfloat16", args.prompt_len, N, B,
                          {"in_engine": st["decode_tok_s"], "external": systems["fiddler"]["decode_tok_s"]},
-                         st.get("decode_experts_per_layer"), detect.measured_cpu_bandwidth()) \
+                         st.get("decode_experts_per_layer"), measured_cpu_bandwidth()) \
         if engine.device.type == "cpu" else None
     res = {
         "model": str(path), "prompt_len": args.prompt_len, "new_tokens": N, "beam_width": B,

@@ -1,7 +1,7 @@
 """bf16 GEMM rate of torch's CPU matmul (oneDNN; AMX where the CPU has it) on a Mixtral-8x7B w1
 (14336 x 4096) at prefill token counts: the source of fiddler.sim's CPU class `gemm_gflops_per_core`.
 
-    python scripts/bench_cpu_gemm.py [--threads N]
+    python benchmarks/tools/bench_cpu_gemm.py [--threads N]
 """
 import argparse
 import time

@@ -4,8 +4,8 @@ copying one (`expert_placeholder.load_state_dict(experts[i].state_dict())` from 
 efeslab/fiddler@227715b:src/fiddler/mixtral.py#L610-616): the source of `pageable_fraction_of_pinned` in
 systems/fiddler/original_sim.py.
 
-    python scripts/measure_pageable_copy.py --out copy.json                 # a Mixtral-8x7B expert, CUDA
-    python scripts/measure_pageable_copy.py --device cpu --tiny --out t.json  # a structure check on a CPU
+    python benchmarks/tools/measure_pageable_copy.py --out copy.json                 # a Mixtral-8x7B expert, CUDA
+    python benchmarks/tools/measure_pageable_copy.py --device cpu --tiny --out t.json  # a structure check on a CPU
 
 Each figure is the median (and min) of --reps timed copies after a warm-up, each between two device syncs;
 GB/s = the expert's bytes / time. Prints one line per way and writes JSON.
@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
             "pageable_copy": lambda: flat_dev.copy_(flat_pageable),
             "release_load_state_dict": lambda: placeholder.load_state_dict(host.state_dict()),
         }
-        res: dict = {"script": "scripts/measure_pageable_copy.py", "torch": torch.__version__, "device": str(dev),
+        res: dict = {"script": "benchmarks/tools/measure_pageable_copy.py", "torch": torch.__version__, "device": str(dev),
                      "gpu_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
                      "host_cpu": _cpu_name(), "expert": {"hidden": hidden, "ffn": ffn, "bytes": nbytes},
                      "pinned": pin_ok, "reps": args.reps,

@@ -12,7 +12,7 @@ from DRAM, as in decode). Per row count T it times, interleaved, best and median
           what a layer with a GPU side adds before any expert runs
 overhead = layer - kernel, as a fraction of kernel; plan as a fraction of kernel.
 
-  python scripts/bench_moe_overhead.py --tokens 1 4 --repeats 30
+  python benchmarks/tools/bench_moe_overhead.py --tokens 1 4 --repeats 30
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch

@@ -1,0 +1,42 @@
+"""Fiddler's engine options are written once (fiddler/options.py): the server's command line is made from that
+table, system=fiddler's choices come from it, and the command the harness derives from the config class is one
+the server parses back to the same values."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fiddler import options
+from fiddler.server.__main__ import parse_args
+from systems.base import ModelSpec, RunContext
+from systems.fiddler.adapter import FiddlerAdapter
+from systems.fiddler.config import FiddlerConfig, PlacementRule, Planner
+from runners.schema import ServeConfig
+
+
+def test_the_config_takes_its_choices_from_the_table():
+    assert tuple(p.value for p in Planner) == options.PLANNERS
+    assert tuple(p.value for p in PlacementRule) == options.PLACEMENTS
+    for quant in options.QUANTS:
+        assert FiddlerConfig.build(quant=quant).quant == quant
+
+
+@pytest.mark.parametrize("overrides", [{}, {"planner": "paper", "placement": "random", "quant": "q4_0",
+                                            "cpu_threads": 3, "gpu_budget_gb": 1.5,
+                                            "popularity_profile": "/p.json"}])
+def test_the_server_parses_the_command_the_config_derives(tmp_path, overrides):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    config = FiddlerConfig.build(**overrides)
+    ctx = RunContext(threads=2, gpu_memory_gb=6.0, has_cuda=False, cache_dir=str(tmp_path / "cache"))
+    cmd = FiddlerAdapter(config, ModelSpec("tiny_mixtral", str(model)), ctx).server_command(ServeConfig())
+    assert cmd[1:3] == ["-m", "fiddler.server"]
+    args = parse_args(cmd[3:])
+    assert args.planner == config.planner.value and args.placement == config.placement.value
+    assert args.quant == config.quant and args.popularity == config.popularity_profile
+    assert args.cpu_threads == config.thread_count(2) and args.gpu_budget_gb == config.gpu_budget(6.0)[0]
+    # every option of the table is a flag of the server, with the table's default
+    defaults = parse_args(["--model", str(model)])
+    assert {o.name: getattr(defaults, o.name) for o in options.OPTIONS} == {o.name: o.default for o in options.OPTIONS}

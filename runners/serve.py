@@ -38,6 +38,18 @@ def _context(conf, resolved: dict) -> RunContext:
                       environment=env, max_seq_len=conf.serve.max_seq_len, max_batch=conf.serve.slots)
 
 
+def server_environment(adapter, serve) -> dict[str, str]:
+    """The server's environment: this process's, the system's process_env and server_env(serve), and
+    serve.api_key under the variable the system's server reads it from (runners/api_key.py: never on its
+    command line). SystemUnavailable where a key is set and the server takes none."""
+    env = {**os.environ, **type(adapter).process_env, **adapter.server_env(serve)}
+    if serve.api_key:
+        if not adapter.server_api_key_env:
+            raise SystemUnavailable(f"system={adapter.config.name}'s server takes no API key (serve.api_key is set)")
+        env[adapter.server_api_key_env] = serve.api_key
+    return env
+
+
 def serve(cfg, run_dir: Path) -> int:
     conf, resolved = prepare(cfg)
     s = conf.serve
@@ -53,13 +65,14 @@ def serve(cfg, run_dir: Path) -> int:
         cls = load_adapter_class(conf.system.adapter)
         adapter = cls(conf.system, ModelSpec(conf.model.name, model_path, conf.model.dtype.value), _context(conf, resolved))
         cmd = adapter.server_command(s)
+        env = server_environment(adapter, s)
     except SystemUnavailable as e:
         print(f"skipped: system={conf.system.name} cannot serve here: {e}", file=sys.stderr)
         write("skipped", reason=str(e))
         return 0
     facts.update(model_path=model_path, command=cmd, notes=adapter.server_notes())
     try:
-        server = ServerProcess(cmd, {**os.environ, **cls.process_env}, s.host, s.port, adapter.server_health_path)
+        server = ServerProcess(cmd, env, s.host, s.port, adapter.server_health_path)
     except PortUnavailable as e:  # nothing started: like a bad key, exit 2 (run.py), naming the way out
         reason = f"serve.host={s.host} serve.port={s.port}: {e}"
         write("error", reason=reason)

@@ -7,6 +7,7 @@ from .config import FiddlerConfig
 
 
 class FiddlerAdapter(EngineAdapter):
+    server_api_key_env = "FIDDLER_API_KEY"  # fiddler.server's (fiddler/server/__main__.py API_KEY_ENV)
     config: FiddlerConfig
 
     def executor_factory(self):

@@ -312,6 +312,8 @@ class ServeConfig:
     token_budget: int = 512  # tokens per engine step (chunked prefill)
     max_seq_len: int = 4096  # positions per slot (clipped to the model's context)
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    # MiB of prompts' KV entries fiddler.server keeps for prefix reuse (--prefix-cache-mb; 0: off)
+    prefix_cache_mb: float = 0.0
     # the key the server asks clients for (Authorization: Bearer), handed to it in its environment; from
     # FIDDLER_API_KEY by default, never a literal on the command line (runners/secrets.py), never in records
     api_key: Optional[str] = "${oc.env:FIDDLER_API_KEY,null}"
@@ -325,6 +327,7 @@ class ServeConfig:
         _check(lambda: self.token_budget >= self.slots, "serve.token_budget", self.token_budget,
                f"an integer >= serve.slots ({self.slots})")
         _check_number("serve.drain_timeout_s", self.drain_timeout_s)
+        _check_number("serve.prefix_cache_mb", self.prefix_cache_mb)
         _check_number("serve.ready_timeout_s", self.ready_timeout_s, above=True)
 
 

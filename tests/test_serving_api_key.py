@@ -67,3 +67,17 @@ def test_a_serving_run_with_a_key_measures_and_writes_it_nowhere(tmp_path, monke
     for p in written:
         assert KEY not in p.read_text(errors="replace"), p
     assert KEY not in res.stdout + res.stderr
+
+
+def test_fiddlers_server_gets_the_prefix_cache_and_reads_its_key_from_the_environment():
+    from runners import schema
+    from systems.base import ModelSpec, RunContext
+    from systems.fiddler.adapter import FiddlerAdapter
+    from systems.fiddler.config import FiddlerConfig
+
+    a = FiddlerAdapter(FiddlerConfig.build(), ModelSpec("tiny_mixtral", "/nonexistent/tiny"),
+                       RunContext(threads=2, gpu_memory_gb=0, has_cuda=False, cache_dir="/tmp"))
+    cmd = a.server_command(schema.ServeConfig(prefix_cache_mb=64, api_key=KEY))
+    assert cmd[cmd.index("--prefix-cache-mb") + 1] == "64" and KEY not in cmd and "--api-key" not in cmd
+    assert "--prefix-cache-mb" not in a.server_command(schema.ServeConfig(api_key=None))
+    assert a.server_api_key_env == "FIDDLER_API_KEY"

@@ -60,6 +60,8 @@ class FiddlerAdapter(EngineAdapter):
             cmd += ["--popularity", str(popularity)]
         if c.quant:
             cmd += ["--quant", c.quant]
+        if getattr(serve, "prefix_cache_mb", 0):
+            cmd += ["--prefix-cache-mb", f"{serve.prefix_cache_mb:g}"]
         return cmd
 
     def server_notes(self) -> dict:

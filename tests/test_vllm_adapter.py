@@ -32,7 +32,10 @@ def _adapter(venv, **options):
 SERVE = SimpleNamespace(host="127.0.0.1", port=8123, slots=16, token_budget=512, max_seq_len=1024, api_key="k")
 
 
-def test_the_server_command_maps_the_serve_options(tmp_path):
+def test_the_server_command_maps_the_serve_options(tmp_path, monkeypatch):
+    from systems.vllm import adapter
+
+    monkeypatch.setattr(adapter, "shared_tokenizer", lambda model, cache: tmp_path / "tok")
     venv = _fake_venv(tmp_path / "v")
     a = _adapter(venv, kv_cache_gb=3)
     cmd = a.server_command(SERVE)
@@ -42,6 +45,7 @@ def test_the_server_command_maps_the_serve_options(tmp_path):
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123" and flags["--dtype"] == "bfloat16"
     assert flags["--max-num-seqs"] == "16" and flags["--max-num-batched-tokens"] == "512"
     assert flags["--max-model-len"] == "1024" and "--enable-prefix-caching" in cmd
+    assert flags["--tokenizer"] == str(tmp_path / "tok")
     assert "k" not in cmd and not any("api" in c and "key" in c for c in cmd)  # the key goes in the environment
     env = a.server_env(SERVE)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == bound_cpus(2)
@@ -60,6 +64,20 @@ def test_without_its_environment_it_says_how_to_create_it(tmp_path):
 def test_bound_cpus_lists_the_first_cpus_this_process_may_use():
     first = bound_cpus(1)
     assert first.isdigit() and bound_cpus(10_000).startswith(first)
+
+
+def test_vllm_tokenizes_with_this_projects_tokenizer_json(tmp_path):
+    """A SentencePiece-only checkpoint: the folder vLLM gets holds tokenizer.json giving the same ids as here."""
+    from transformers import AutoTokenizer
+
+    from runners.models import synthetic_model
+    from systems.vllm.adapter import shared_tokenizer
+
+    model = synthetic_model("tiny_mixtral")
+    d = shared_tokenizer(str(model), str(tmp_path))
+    assert (d / "tokenizer.json").is_file() and shared_tokenizer(str(model), str(tmp_path)) == d  # kept
+    text = "The quick brown fox, 12345 times."
+    assert AutoTokenizer.from_pretrained(d)(text)["input_ids"] == AutoTokenizer.from_pretrained(model)(text)["input_ids"]
 
 
 def test_bad_options_are_refused():

@@ -8,7 +8,8 @@ is the same server. Options map as: serve.slots -> --max-num-seqs (requests batc
 -> --max-num-batched-tokens (tokens per engine step, as Fiddler's chunked prefill), serve.max_seq_len ->
 --max-model-len, the model's dtype -> --dtype; the KV cache is system.kv_cache_gb (VLLM_CPU_KVCACHE_SPACE) and
 the engine's OpenMP threads are bound to the first system.threads cores this process may use
-(VLLM_CPU_OMP_THREADS_BIND). The model loads offline (HF_HUB_OFFLINE), its tokenizer from the folder.
+(VLLM_CPU_OMP_THREADS_BIND). The model loads offline (HF_HUB_OFFLINE); its tokenizer is the checkpoint's as this
+project's transformers builds it (shared_tokenizer), so that a text is the same token ids on every system.
 """
 from __future__ import annotations
 
@@ -30,6 +31,43 @@ def default_venv() -> Path:
     from systems.paths import CHECKOUT, in_checkout
 
     return (CHECKOUT if in_checkout() else Path.cwd()) / ".venv-vllm"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def shared_tokenizer(model_path: str, cache_dir: str) -> Path:
+    """The checkpoint's tokenizer as this project's transformers builds it, saved with its tokenizer.json: the
+    folder vLLM tokenizes with (--tokenizer). From a SentencePiece tokenizer.model alone, vLLM's transformers
+    (< 5.20) builds a tokenizer that splits a leading word differently (5.19: [1, 31953, 8284, ...] where 5.24
+    gives [1, 390, ...]), so the same text would be other token ids, and counts, than on the other systems.
+    Keyed by the tokenizer files' contents and transformers' version."""
+    import hashlib
+
+    import transformers
+
+    h = hashlib.sha256(transformers.__version__.encode())
+    for name in TOKENIZER_FILES:
+        f = Path(model_path) / name
+        if f.is_file():
+            h.update(name.encode() + f.read_bytes())
+    dest = Path(cache_dir) / "vllm" / "tokenizers" / h.hexdigest()[:16]
+    if (dest / "tokenizer.json").is_file():
+        return dest
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
+    try:
+        os.replace(tmp, dest)  # whole, or not there
+    except OSError:  # another run saved it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def bound_cpus(n: int) -> str:
@@ -62,7 +100,9 @@ class VllmAdapter(SystemAdapter):
         return exe
 
     def server_command(self, serve) -> list[str]:
-        cmd = [str(self.python()), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model.path,
+        python = str(self.python())
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model.path,
+               "--tokenizer", str(shared_tokenizer(self.model.path, self.ctx.cache_dir)),
                "--served-model-name", self.model.name, "--host", serve.host, "--port", str(serve.port),
                "--dtype", self.model.dtype, "--max-model-len", str(serve.max_seq_len),
                "--max-num-seqs", str(serve.slots), "--max-num-batched-tokens", str(serve.token_budget),

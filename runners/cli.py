@@ -66,6 +66,12 @@ def main(cfg: DictConfig) -> None:
 def run() -> None:
     """`python run.py ...` and the console script `fiddler-bench ...` (pyproject.toml): main() with the exit
     statuses of runners/cli_help.py EXIT_CODES."""
+    from runners.api_key import literal_on_command_line
+
+    problem = literal_on_command_line(sys.argv[1:])
+    if problem:  # before Hydra writes the overrides down
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except SystemExit as exc:

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from systems.base import SystemUnavailable
-from runners import identity, preflight, records, tables
+from runners import api_key, identity, preflight, records, tables
 from runners.checkpoint import verify_checkpoint, verify_config_json
 from runners.schema import Config, ConfigError, Isolation, Mode, validate
 from runners.session import Job, Session, base_record, load_adapter_class
@@ -77,7 +77,7 @@ def prepare(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
         raise ConfigError(f"run.isolation=inline cannot enforce {', '.join(_limits(conf))}: limits need a child "
                           f"process; allowed: run.isolation=auto or process, or no limit")
     _check_adapter(conf.system.adapter)
-    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    resolved = api_key.redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     return conf, resolved
 
 
@@ -115,10 +115,12 @@ def run_job(cfg: DictConfig, run_dir: Path) -> list[dict[str, Any]]:
         return store.records
 
     conf, resolved = prepare(cfg)
-    if conf.workload.concurrency and conf.mode is not Mode.execute:
-        raise ConfigError(f"workload.concurrency={list(conf.workload.concurrency)} (a serving workload) is measured "
-                          f"against a running server; allowed: mode=execute")
-    if conf.workload.concurrency and not conf.workload.ignore_eos:
+    serving = bool(conf.workload.concurrency or conf.workload.rates)
+    if serving and conf.mode is not Mode.execute:
+        raise ConfigError(f"workload.concurrency={list(conf.workload.concurrency)}, workload.rates="
+                          f"{list(conf.workload.rates)} (a serving workload) is measured against a running server; "
+                          f"allowed: mode=execute")
+    if serving and not conf.workload.ignore_eos:
         raise ConfigError("workload.ignore_eos=false is not measured: guidellm's synthetic requests always send "
                           "ignore_eos, so that each returns its output length; allowed: true")
     simulating = conf.mode is Mode.simulate  # no weights, no child process, the host's cores irrelevant
@@ -202,7 +204,7 @@ def _say_why_not_resumed(other: dict[str, int]) -> None:
 
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
-    if conf.workload.concurrency:  # a serving workload: guidellm against the system's server
+    if conf.workload.concurrency or conf.workload.rates:  # a serving workload: guidellm against the system's server
         from runners.serving import measure_all
 
         yield from measure_all(job, todo, conf, progress, current)

@@ -97,7 +97,7 @@ def config_hash(config: dict[str, Any], point: dict[str, Any]) -> str:
     # the workload's lists only say which points exist; the point itself is hashed below, so a
     # sweep that gains a point keeps the hashes of the points it already had (resume)
     measured["workload"] = {k: v for k, v in config["workload"].items()
-                            if k not in ("input_lens", "output_lens", "beam_widths", "concurrency")}
+                            if k not in ("input_lens", "output_lens", "beam_widths", "concurrency", "rates")}
     blob = json.dumps({"config": measured, "point": point, "code": code_version()["version"]},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -207,6 +207,7 @@ _NESTED = {
     "decode_bound.fraction.best": ("a number", lambda v: _is_number(v)),
     "config.environment": ("an object", lambda v: isinstance(v, dict)),
     "point.concurrency": ("an integer", lambda v: _is_int(v)),
+    "point.rate": ("a number", lambda v: _is_number(v)),
     "raw": ("an object", lambda v: isinstance(v, dict)),
 }
 

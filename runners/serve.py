@@ -15,7 +15,6 @@ output and in serve.json.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from systems.base import ModelSpec, RunContext, SystemUnavailable
 
 from .main import prepare, resolve_model_path
 from .schema import ConfigError
-from .server_process import PortUnavailable, ServerFailed, ServerProcess
+from .server_process import PortUnavailable, ServerFailed, ServerProcess, server_environment
 from .session import load_adapter_class
 
 
@@ -53,13 +52,14 @@ def serve(cfg, run_dir: Path) -> int:
         cls = load_adapter_class(conf.system.adapter)
         adapter = cls(conf.system, ModelSpec(conf.model.name, model_path, conf.model.dtype.value), _context(conf, resolved))
         cmd = adapter.server_command(s)
+        env = server_environment(adapter, s)
     except SystemUnavailable as e:
         print(f"skipped: system={conf.system.name} cannot serve here: {e}", file=sys.stderr)
         write("skipped", reason=str(e))
         return 0
     facts.update(model_path=model_path, command=cmd, notes=adapter.server_notes())
     try:
-        server = ServerProcess(cmd, {**os.environ, **cls.process_env}, s.host, s.port, adapter.server_health_path)
+        server = ServerProcess(cmd, env, s.host, s.port, adapter.server_health_path)
     except PortUnavailable as e:  # nothing started: like a bad key, exit 2 (run.py), naming the way out
         reason = f"serve.host={s.host} serve.port={s.port}: {e}"
         write("error", reason=reason)

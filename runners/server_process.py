@@ -238,3 +238,17 @@ class ServerProcess:
     def stop(self, grace_s: float) -> int:
         """SIGTERM (the server drains), grace_s to exit, then SIGKILL to what is left of its group."""
         return stop(self.proc, grace_s)
+
+
+def server_environment(adapter, serve) -> dict[str, str]:
+    """The server's environment: this process's, the system's process_env and server_env(serve), and
+    serve.api_key under the variable the system's server reads it from (runners/api_key.py: never on its
+    command line). SystemUnavailable where a key is set and the server takes none."""
+    env = {**os.environ, **type(adapter).process_env, **adapter.server_env(serve)}
+    if serve.api_key:
+        if not adapter.server_api_key_env:
+            from systems.base import SystemUnavailable
+
+            raise SystemUnavailable(f"system={adapter.config.name}'s server takes no API key (serve.api_key is set)")
+        env[adapter.server_api_key_env] = serve.api_key
+    return env

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -31,6 +32,8 @@ import numpy as np
 from systems.base import ModelSpec, RunContext, SystemUnavailable
 
 from . import server_process
+from . import rate_search
+from .api_key import scrub as api_key_scrub
 from .session import Job, base_record, load_adapter_class
 
 PERCENTILES = (50, 90, 99)
@@ -80,33 +83,128 @@ def metrics_from_guidellm(report: dict, slo_ttft_s: float, slo_tpot_s: float) ->
     return m
 
 
+def _scenario_file(tmp: Path, backend: dict) -> Path:
+    """guidellm's backend spec in a file only this user can read: the API key stays off its command line."""
+    path = tmp / "scenario.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"spec": {"backend": backend}}, f)
+    return path
+
+
 def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: Path, timeout_s: float,
-                 has_health: bool = True) -> dict:
+                 has_health: bool = True, *, rate: float | None = None, max_seconds: float | None = None,
+                 shared_prefix_len: int = 0, seed: int = 0, api_key: str | None = None) -> tuple[dict, float]:
+    """guidellm's JSON report of one level (point's concurrent streams, or Poisson arrivals at `rate`
+    requests/s, seeded), and the CPU seconds guidellm and its workers used (it shares the machine)."""
+    backend = {"kind": "openai_http", "target": target, "request_format": "/v1/completions"}
     # guidellm checks GET /health first; a server without one (llama_cpp.server) was already seen ready on its
     # own route (ServerProcess.wait_ready)
-    check = "" if has_health else ",validate_backend=false"
-    cmd = guidellm_command() + [
-        "run", "--backend", f"kind=openai_http,target={target},request_format=/v1/completions{check}",
-        "--profile", f"kind=concurrent,streams={point['concurrency']}",
-        "--constraint", f"kind=max_requests,count={requests}",
-        "--tokenizer", f"kind=huggingface_auto,model={model_path}",
-        "--data", f"kind=synthetic_text,prompt_tokens={point['input_len']},output_tokens={point['output_len']}",
-        "--output", f"kind=json,path={out}", "--disable-console-interactive"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    # its own process group, dying with this process (runners/server_process.py): a timeout, SIGTERM or Ctrl-C
-    # of the run stops guidellm with its fork, spawn workers and resource tracker
-    proc = server_process.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    finally:
-        server_process.stop(proc, grace_s=10)  # what is left of its group, however this ends
+    if not has_health:
+        backend["validate_backend"] = False
+    profile = f"kind=poisson,rate={rate:g}" if rate else f"kind=concurrent,streams={point['concurrency']}"
+    data = f"kind=synthetic_text,prompt_tokens={point['input_len']},output_tokens={point['output_len']}"
+    if shared_prefix_len:  # one system prompt every request starts with
+        data += f",prefix_tokens={shared_prefix_len},prefix_count=1"
+    cmd = guidellm_command() + ["run", "--profile", profile, "--constraint", f"kind=max_requests,count={requests}",
+                                "--tokenizer", f"kind=huggingface_auto,model={model_path}", "--data", data,
+                                "--seed", f"kind=static,value={seed}", "--output", f"kind=json,path={out}",
+                                "--disable-console-interactive"]
+    if max_seconds:
+        cmd += ["--constraint", f"kind=max_duration,seconds={max_seconds:g}"]
+    # one worker process: the load generator takes what it needs of a small machine, not one process per core
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        if api_key:
+            cmd += ["--scenario", str(_scenario_file(Path(tmp), {**backend, "api_key": api_key}))]
+        else:
+            cmd += ["--backend", ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                          for k, v in backend.items())]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # its own process group, dying with this process (runners/server_process.py): a timeout, SIGTERM or
+        # Ctrl-C of the run stops guidellm with its fork, spawn workers and resource tracker
+        proc = server_process.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        finally:
+            server_process.stop(proc, grace_s=10)  # what is left of its group, however this ends
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # guidellm, reaped, with the workers it reaped
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"guidellm exited with {proc.returncode}: {(stderr or stdout)[-1500:]}")
-    return json.loads(out.read_text())
+        raise RuntimeError(f"guidellm exited with {proc.returncode}: {api_key_scrub((stderr or stdout)[-1500:], api_key)}")
+    return json.loads(out.read_text()), cpu_s
+
+
+def unloaded_slo(w, unloaded: dict | None) -> "rate_search.Slo | None":
+    """The scaled limits: workload.slo_scale x the system's unloaded (one stream) p50 TTFT and TPOT."""
+    if not unloaded or unloaded.get("ttft_p50_s") is None or unloaded.get("tpot_p50_s") is None:
+        return None
+    return rate_search.Slo("scaled", w.slo_scale * unloaded["ttft_p50_s"], w.slo_scale * unloaded["tpot_p50_s"])
+
+
+def slos(w, unloaded: dict | None) -> list["rate_search.Slo"]:
+    """MLPerf's limits (workload.slo_*, as p99) and, where the unloaded latency is known, the scaled ones."""
+    out = [rate_search.Slo("mlperf", w.slo_ttft_s, w.slo_tpot_s)]
+    scaled = unloaded_slo(w, unloaded)
+    return out + ([scaled] if scaled else [])
+
+
+SLO_SOURCE = {"mlperf": "MLPerf Inference Server scenario, Mixtral-8x7B (mlcommons/inference loadgen/mlperf.conf: "
+                        "p99 TTFT 2 s, p99 TPOT 200 ms; set for the real Mixtral, loose on a small model)",
+              "scaled": "workload.slo_scale x this system's unloaded (one stream) p50 TTFT and TPOT"}
+
+
+class _Levels:
+    """Measures levels of load against one running server (guidellm), each as a record's metrics."""
+
+    def __init__(self, job: Job, conf, target: str, has_health: bool, server):
+        self.job, self.w, self.target, self.has_health, self.server = job, conf.workload, target, has_health, server
+        self.timeout_s = conf.run.timeout_s or 3600
+        self.api_key = conf.serve.api_key
+
+    def measure(self, point: dict, rate: float | None = None) -> tuple[dict, dict]:
+        """(metrics, facts) of one level: point's concurrency, or Poisson arrivals at rate (requests/s)."""
+        w = self.w
+        if rate:
+            n, max_s = w.rate_requests, w.rate_max_s
+            profile = f"Poisson arrivals at {rate:g} requests/s (seed {w.seed}), {n} requests or {max_s:g} s"
+        else:
+            n, max_s = point["concurrency"] * w.requests_per_stream, None
+            profile = f"concurrent, {point['concurrency']} streams, {n} requests"
+        with tempfile.TemporaryDirectory() as tmp:
+            report, cpu_s = run_guidellm(self.target, self.job.model_path, point, n, Path(tmp) / "guidellm.json",
+                                         timeout_s=self.timeout_s if not max_s else max(self.timeout_s, max_s + 300),
+                                         has_health=self.has_health, rate=rate, max_seconds=max_s,
+                                         shared_prefix_len=w.shared_prefix_len, seed=w.seed, api_key=self.api_key)
+        metrics = metrics_from_guidellm(report, w.slo_ttft_s, w.slo_tpot_s)
+        metrics["load_generator_cpu_s"] = cpu_s
+        facts = {"load_generator": f"guidellm {report.get('metadata', {}).get('guidellm_version') or ''}".strip(),
+                 "profile": profile}
+        return metrics, facts
+
+    def trial(self, point: dict, rate: float) -> "rate_search.Trial":
+        m, _ = self.measure(point, rate)
+        return rate_search.Trial(rate, m["ttft_p99_s"], m["tpot_p99_s"] if m["tpot_p99_s"] is not None else 0.0,
+                                 m["requests"], extra={k: m[k] for k in ("request_throughput", "output_tok_s",
+                                                                         "ttft_p50_s", "tpot_p50_s", "failed_requests",
+                                                                         "load_generator_cpu_s")})
+
+
+def _search_facts(trials, brackets, capacity: float, limits) -> dict[str, Any]:
+    return {"capacity_req_s": capacity, "max_trials_note": "at most workload.rate_search rates",
+            "slos": [{"name": s.name, "ttft_p99_s": s.ttft_s, "tpot_p99_s": s.tpot_s, "source": SLO_SOURCE[s.name]}
+                     for s in limits],
+            "trials": [{"rate": t.rate, "requests": t.requests, "ttft_p99_s": t.ttft_p99_s, "tpot_p99_s": t.tpot_p99_s,
+                        "within": {s.name: s.met(t) for s in limits}, **t.extra} for t in trials],
+            "highest_rate_within": {name: b.within for name, b in brackets.items()},
+            "lowest_rate_beyond": {name: b.beyond for name, b in brackets.items()}}
 
 
 def measure_all(job: Job, todo: list[int], conf, progress, current: list):
-    """One record per serving point; the server is started once for all of them."""
+    """One record per serving point (concurrency levels, then rate levels); the server is started once for all
+    of them. With workload.rate_search, the search runs after them and its answer goes into the record of the
+    largest concurrency (whose throughput it starts from)."""
     w = conf.workload
     if guidellm_command() is None:
         for i in todo:
@@ -116,9 +214,12 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
     env = cfg["environment"]
     import torch
 
+
     points = [job.points[i] for i in todo]
-    serve = replace(conf.serve, host="127.0.0.1", port=free_port(), slots=max(conf.serve.slots, *w.concurrency),
-                    max_seq_len=max(p["input_len"] + p["output_len"] for p in points) + 8)
+    prompt_len = w.shared_prefix_len + max(p["input_len"] for p in points)
+    slots = max(conf.serve.slots, *(w.concurrency or [1]))
+    serve = replace(conf.serve, host="127.0.0.1", port=free_port(), slots=slots,
+                    max_seq_len=prompt_len + max(p["output_len"] for p in points) + 8)
     serve = replace(serve, token_budget=max(serve.token_budget, serve.slots))
     ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
                      has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cfg["cache_dir"]).expanduser()),
@@ -127,6 +228,7 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
         cls = load_adapter_class(job.system["adapter"])
         adapter = cls(job.system_config, ModelSpec(cfg["model"]["name"], job.model_path, cfg["model"]["dtype"]), ctx)
         cmd = adapter.server_command(serve)
+        server_env = server_process.server_environment(adapter, serve)
     except SystemUnavailable as e:
         for i in todo:
             yield base_record(job, i, "skipped", f"cannot serve here: {e}")
@@ -134,44 +236,86 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
     run_dir = Path(job.run_dir or tempfile.mkdtemp())
     progress.note("starting the server")
     try:
-        server = server_process.ServerProcess(cmd, {**os.environ, **cls.process_env}, serve.host, serve.port,
-                                              adapter.server_health_path, log=run_dir / "server.log")
+        server = server_process.ServerProcess(cmd, server_env, serve.host, serve.port, adapter.server_health_path,
+                                              log=run_dir / "server.log")
     except server_process.PortUnavailable as e:  # free_port()'s port, taken since
         for i in todo:
             yield base_record(job, i, "error", f"the server did not start: {e}")
         return
+    key = serve.api_key
     try:
         try:
             server.wait_ready(serve.ready_timeout_s)
         except server_process.ServerFailed as e:
             for i in todo:
-                yield base_record(job, i, "error", f"the server did not start: {e}: {server.tail(1000)}")
+                yield base_record(job, i, "error", api_key_scrub(f"the server did not start: {e}: {server.tail(1000)}",
+                                                                 key))
             return
-        target = f"http://{serve.host}:{serve.port}"
+        levels = _Levels(job, conf, f"http://{serve.host}:{serve.port}", adapter.server_health_path == "/health",
+                         server)
+        full = max((i for i in todo if job.points[i].get("concurrency")), default=None,
+                   key=lambda i: job.points[i]["concurrency"])
+        unloaded: dict | None = None
+        held = None
         for i in todo:
             current[0] = i
             p = job.points[i]
-            progress.note(f"guidellm: {p['concurrency']} streams")
+            rate = p.get("rate")
+            progress.note(f"guidellm: {rate:g} requests/s" if rate else f"guidellm: {p['concurrency']} streams")
             rec = base_record(job, i, "ok", None)
-            n = p["concurrency"] * w.requests_per_stream
+            facts: dict[str, Any] = {}
             try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    report = run_guidellm(target, job.model_path, p, n, Path(tmp) / "guidellm.json",
-                                          timeout_s=(conf.run.timeout_s or 3600),
-                                          has_health=adapter.server_health_path == "/health")
-                rec["metrics"] = metrics_from_guidellm(report, w.slo_ttft_s, w.slo_tpot_s)
+                rec["metrics"], facts = levels.measure(p, rate)
             except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
-                rec.update(status="error", reason=f"{type(e).__name__}: {e}"[:2000])
-            rec["serving"] = {"server_command": cmd, "server": adapter.server_notes(), "load_generator":
-                              f"guidellm {report.get('metadata', {}).get('guidellm_version') if rec['status'] == 'ok' else ''}".strip(),
-                              "profile": f"concurrent, {p['concurrency']} streams, {n} requests",
+                rec.update(status="error", reason=api_key_scrub(f"{type(e).__name__}: {e}", key)[:2000])
+            if rec["status"] == "ok" and p.get("concurrency") == 1:
+                unloaded = rec["metrics"]
+            rec["serving"] = {"server_command": cmd, "server": adapter.server_notes(), **facts,
                               "definitions": "vLLM's (runners/serving.py): TPOT = (e2e - TTFT) / (output - 1), "
-                                             "guidellm's inter_token_latency; ITL not available",
-                              "slo": {"ttft_s": w.slo_ttft_s, "tpot_s": w.slo_tpot_s},
+                                             "guidellm's inter_token_latency; ITL not available from guidellm",
+                              "slo": {"ttft_p99_s": w.slo_ttft_s, "tpot_p99_s": w.slo_tpot_s,
+                                      "source": SLO_SOURCE["mlperf"], "slo_scale": w.slo_scale},
+                              "shared_prefix_len": w.shared_prefix_len,
                               "server_metrics": server.metrics_text()}
             current[0] = None
+            if i == full and w.rate_search and rec["status"] == "ok":
+                held = rec  # its search runs after the other levels
+                continue
             yield rec
+        if held is not None:
+            yield _with_search(held, levels, job, w, unloaded, progress, current, full)
     finally:
         rc = server.stop(serve.drain_timeout_s + 30)
         if rc not in (0, -signal.SIGTERM):
             print(f"warning: the server exited with {rc}; see {server.log}", file=sys.stderr)
+
+
+def _with_search(rec: dict, levels: _Levels, job: Job, w, unloaded: dict | None, progress, current: list,
+                 index: int) -> dict:
+    """rec (the largest concurrency's) with the rate search's answer: per SLO the highest Poisson rate whose p99
+    TTFT and TPOT stayed within it, starting from this level's request throughput."""
+    point = job.points[index]
+    if unloaded is None:  # no one-stream level in this run: measure the unloaded latency for the scaled SLO
+        progress.note("guidellm: 1 stream (unloaded latency)")
+        unloaded, _ = levels.measure({**point, "concurrency": 1})
+    limits = slos(w, unloaded)
+    capacity = rec["metrics"]["request_throughput"]
+    current[0] = index
+
+    def measure(rate: float):
+        progress.note(f"rate search: {rate:.3g} requests/s")
+        return levels.trial(point, rate)
+
+    try:
+        trials, brackets = rate_search.search(measure, capacity, limits, max_trials=w.rate_search)
+    except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
+        rec["serving"]["rate_search"] = {"error": api_key_scrub(f"{type(e).__name__}: {e}", levels.api_key)[:2000]}
+        current[0] = None
+        return rec
+    current[0] = None
+    rec["serving"]["rate_search"] = _search_facts(trials, brackets, capacity, limits)
+    rec["serving"]["unloaded"] = {k: unloaded.get(k) for k in ("ttft_p50_s", "tpot_p50_s", "requests")}
+    rec["metrics"]["max_rate_mlperf_slo"] = brackets["mlperf"].within
+    rec["metrics"]["max_rate_scaled_slo"] = brackets["scaled"].within if "scaled" in brackets else None
+    rec["metrics"]["rate_search_trials"] = len(trials)
+    return rec

@@ -20,13 +20,15 @@ from runners.table_format import Col
 from runners.records import atomic_write_text
 
 KEYS = ["system", "variant", "model", "workload", "environment", "provenance", "mode", "input", "output", "beam",
-        "streams"]
+        "streams", "rate"]
 # serving records (workload=serving, runners/serving.py): these columns, vLLM's definitions, in the table when any
 # row has them
-SERVING = [("request_throughput", "req/s", 2), ("output_tok_s", "out tok/s", 1), ("goodput", "goodput req/s", 2),
+SERVING = [("max_rate_scaled_slo", "max rate scaled SLO req/s", 3), ("max_rate_mlperf_slo", "max rate MLPerf SLO req/s", 3),
+           ("requests", "N", 0), ("request_throughput", "req/s", 2), ("output_tok_s", "out tok/s", 1), ("goodput", "goodput req/s", 2),
            *((f"ttft_p{q}_s", f"TTFT p{q} s", 3) for q in (50, 90, 99)),
            *((f"tpot_p{q}_s", f"TPOT p{q} ms", 1) for q in (50, 90, 99)),
-           ("e2e_latency_p50_s", "e2e p50 s", 2), ("e2e_latency_p99_s", "e2e p99 s", 2)]
+           ("e2e_latency_p50_s", "e2e p50 s", 2), ("e2e_latency_p99_s", "e2e p99 s", 2),
+           ("load_generator_cpu_s", "loadgen CPU s", 1)]
 METRICS = [("ttft_s", "TTFT s", 3), ("prefill_tok_s", "prefill tok/s", 1),
            ("decode_tok_s", "decode tok/s", 2), ("e2e_tok_s", "e2e tok/s", 2)]
 
@@ -86,6 +88,7 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
                "host_cpu": (r.get("host") or {}).get("cpu_name"),
                "input": p.get("input_len"),
                "output": p.get("output_len"), "beam": p.get("beam_width"), "streams": p.get("concurrency"),
+               "rate": p.get("rate"),
                "status": r.get("status"),
                "reason": r.get("reason"), "time": r.get("time"), "run_id": r.get("run_id")}
         m = r.get("metrics") or {}
@@ -112,7 +115,7 @@ def latest(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     df = df.sort_values("time", kind="stable").drop_duplicates(KEYS, keep="last")
-    return df.sort_values(["model", "workload", "environment", "input", "output", "beam", "streams", "system"],
+    return df.sort_values(["model", "workload", "environment", "input", "output", "beam", "streams", "rate", "system"],
                           kind="stable", na_position="first").reset_index(drop=True)
 
 
@@ -221,7 +224,7 @@ def _bound(flag: str, value: str | None, end: bool) -> _dt.datetime | None:
 
 def higher_is_better(metric: str) -> bool:
     """tok/s, requests/s and goodput: higher is better; times (TTFT, TPOT, latency): lower."""
-    return metric.endswith("tok_s") or metric in ("request_throughput", "goodput")
+    return metric.endswith("tok_s") or metric in ("request_throughput", "goodput") or metric.startswith("max_rate")
 
 
 def metric_col(metric: str, title: str | None = None) -> Col:

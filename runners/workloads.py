@@ -20,24 +20,29 @@ class Point:
     output_len: int
     beam_width: int
     concurrency: int = 0  # concurrent streams of a serving workload; 0: not one
+    rate: float = 0.0  # Poisson arrivals of a serving workload, requests/s; 0: not a rate level
 
     def key(self) -> str:
         tail = f"_c{self.concurrency}" if self.concurrency else ""
+        tail += f"_r{self.rate:g}" if self.rate else ""
         return f"in{self.input_len}_out{self.output_len}_beam{self.beam_width}{tail}"
 
     def as_dict(self) -> dict:
         d = asdict(self)
         if not self.concurrency:  # the points (and hashes) of the other workloads stay as they were
             del d["concurrency"]
+        if not self.rate:
+            del d["rate"]
         return d
 
 
 def expand(workload) -> list[Point]:
-    """Every combination of input length x output length x beam width (a serving workload: x concurrency,
-    beam 1), in list order."""
-    if getattr(workload, "concurrency", None):
-        return [Point(i, o, 1, c) for i, o, c in
-                itertools.product(workload.input_lens, workload.output_lens, workload.concurrency)]
+    """Every combination of input length x output length x beam width (a serving workload: x concurrency, then
+    x rate, beam 1), in list order."""
+    if getattr(workload, "concurrency", None) or getattr(workload, "rates", None):
+        lens = list(itertools.product(workload.input_lens, workload.output_lens))
+        return ([Point(i, o, 1, c) for (i, o), c in itertools.product(lens, getattr(workload, "concurrency", None) or [])]
+                + [Point(i, o, 1, rate=r) for (i, o), r in itertools.product(lens, getattr(workload, "rates", None) or [])])
     return [Point(i, o, b) for i, o, b in
             itertools.product(workload.input_lens, workload.output_lens, workload.beam_widths)]
 

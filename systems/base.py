@@ -222,6 +222,14 @@ class SystemAdapter(abc.ABC):
         unloaded adapter; `serve` is runners.schema.ServeConfig). Raise SystemUnavailable where it cannot."""
         raise SystemUnavailable(f"system={self.config.name} has no OpenAI-compatible server")
 
+    #: the environment variable this system's server reads its API key from (serve.api_key); None: it takes none
+    server_api_key_env: str | None = None
+
+    def server_env(self, serve) -> dict[str, str]:
+        """mode=serve: environment the server needs beyond process_env, from this adapter's options (never a
+        secret: the runner adds serve.api_key under server_api_key_env)."""
+        return {}
+
     def server_notes(self) -> dict[str, Any]:
         """Facts about the server for the run folder's serve.json (what it serves and how)."""
         return {}

@@ -45,6 +45,12 @@ def test_serving_points_carry_their_concurrency_and_other_points_do_not():
                                           for c in (1, 8)]
     assert Point(32, 4, 2).as_dict() == {"input_len": 32, "output_len": 4, "beam_width": 2}
 
+    class R(W):
+        rates = [0.5]
+
+    assert [p.as_dict() for p in expand(R)][-1] == {"input_len": 128, "output_len": 64, "beam_width": 1, "rate": 0.5}
+    assert [p.key() for p in expand(R)] == ["in128_out64_beam1_c1", "in128_out64_beam1_c8", "in128_out64_beam1_r0.5"]
+
 
 def test_the_table_shows_serving_columns_per_stream_count():
     def rec(c, tok_s):
@@ -64,6 +70,10 @@ def test_the_table_shows_serving_columns_per_stream_count():
     (("workload.ignore_eos=false",), "workload.ignore_eos=false is not measured"),
     (("workload.concurrency=[0]",), "workload.concurrency"),
     (("workload.requests_per_stream=2",), "workload.requests_per_stream=2 is invalid"),
+    (("workload.rates=[0]",), "workload.rates"),
+    (("workload.rate_search=6",), "workload.rate_search=6 is invalid"),
+    (("workload.rate_requests=10",), "workload.rate_requests=10 is invalid"),
+    (("workload.concurrency=[]", "workload.rates=[1]", "workload.rate_search=2"), "workload.rate_search=2 is invalid"),
 ])
 def test_bad_serving_configs_are_refused(tmp_path, args, message):
     res = run_py("system=fiddler", "workload=serving", *args, f"hydra.run.dir={tmp_path / 'D'}",
@@ -77,17 +87,33 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
     d = tmp_path / "D"
     res = run_py("system=fiddler", "model=tiny_mixtral", "workload=serving", "workload.concurrency=[1,3]",
                  "workload.requests_per_stream=4", "workload.input_lens=[24]", "workload.output_lens=[8]",
+                 "workload.rates=[8]", "workload.rate_search=2", "workload.shared_prefix_len=16",
                  f"hydra.run.dir={d}", f"run.index_path={tmp_path / 'i.jsonl'}", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
-    assert [r["point"]["concurrency"] for r in recs] == [1, 3] and all(r["status"] == "ok" for r in recs)
-    for r, n in zip(recs, (4, 12)):
+    # the largest concurrency's record comes last: it waits for the rate search
+    assert [(r["point"].get("concurrency"), r["point"].get("rate")) for r in recs] == [(1, None), (None, 8), (3, None)]
+    assert all(r["status"] == "ok" for r in recs)
+    for r, n in zip(recs, (4, 64, 12)):
         m = r["metrics"]
         assert m["requests"] == n and m["failed_requests"] == 0
-        assert m["prompt_tokens_mean"] == 24 and m["output_tokens_mean"] == 8
+        # the shared prefix, then its own (guidellm joins their texts: a word across the seam may be one token)
+        assert 16 + 24 - 1 <= m["prompt_tokens_mean"] <= 16 + 24 and m["output_tokens_mean"] == 8
         assert m["ttft_p50_s"] <= m["ttft_p99_s"] and m["output_tok_s"] > 0
+        assert m["load_generator_cpu_s"] >= 0
         assert "fiddler_generation_tokens_total" in r["serving"]["server_metrics"]
         assert r["serving"]["load_generator"].startswith("guidellm ")
+    assert "Poisson arrivals at 8 requests/s" in recs[1]["serving"]["profile"]
+    search = recs[2]["serving"]["rate_search"]
+    assert search["capacity_req_s"] == recs[2]["metrics"]["request_throughput"]
+    assert search["trials"][0]["rate"] == search["capacity_req_s"] and len(search["trials"]) <= 2
+    assert all(t["requests"] == 64 for t in search["trials"])
+    assert [s["name"] for s in search["slos"]] == ["mlperf", "scaled"]
+    assert search["slos"][1]["ttft_p99_s"] == pytest.approx(3.0 * recs[0]["metrics"]["ttft_p50_s"])
+    for name in ("mlperf", "scaled"):  # the headline is the highest rate measured within the limits, or none
+        best = recs[2]["metrics"][f"max_rate_{name}_slo"]
+        within = [t["rate"] for t in search["trials"] if t["within"][name]]
+        assert best == (max(within) if within else None)
     assert "| streams" in res.stdout or "streams |" in res.stdout
     assert (d / "server.log").exists()
 
@@ -154,7 +180,8 @@ def test_a_stopped_serving_run_leaves_no_process_behind(tmp_path, sig):
 
     d = tmp_path / "D"
     run = subprocess.Popen([sys.executable, "run.py", "system=fiddler", "model=tiny_mixtral", "workload=serving",
-                            "workload.concurrency=[2]", "workload.requests_per_stream=1000", "workload.input_lens=[16]",
+                            "workload.concurrency=[2]", "workload.rate_search=0", "workload.requests_per_stream=1000",
+                            "workload.input_lens=[16]",
                             "workload.output_lens=[200]", f"hydra.run.dir={d}", f"run.index_path={tmp_path / 'i.jsonl'}"],
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -7,6 +7,7 @@ from .config import FiddlerConfig
 
 
 class FiddlerAdapter(EngineAdapter):
+    server_api_key_env = "FIDDLER_API_KEY"  # fiddler.server's (fiddler/server/__main__.py API_KEY_ENV)
     config: FiddlerConfig
 
     def executor_factory(self):
@@ -51,6 +52,8 @@ class FiddlerAdapter(EngineAdapter):
             popularity = Path(self.ctx.cache_dir) / "serve" / f"{self.model.name}-reference-popularity.json"
             popularity.parent.mkdir(parents=True, exist_ok=True)
             reference.save(popularity)
+        if getattr(serve, "prefix_cache_mb", 0):
+            cmd += ["--prefix-cache-mb", f"{serve.prefix_cache_mb:g}"]
         return cmd + command_line(gpu_budget_gb=gb, cpu_threads=c.thread_count(self.ctx.threads),
                                   planner=c.planner.value, placement=c.placement.value,
                                   popularity=str(popularity) if popularity else None, quant=c.quant)

@@ -106,6 +106,21 @@ class LlamaCppCpuMoeConfig(LlamaCppConfig):
 
 
 @dataclass
+class LlamaServerConfig(LlamaCppConfig):
+    """llama.cpp's own HTTP server (llama-server) with continuous batching over serve.slots parallel slots, on the
+    same GGUF as system=llama_cpp, built from the same llama.cpp source with the same CPU flags
+    (scripts/install.sh --llama-server; systems/llama_cpp/server_build.py). mode=serve and workload=serving
+    only; system=llama_cpp serves through llama-cpp-python's server, one request at a time."""
+
+    label = "llama.cpp llama-server"
+    paper_row = None
+    paper_role = None
+
+    name: str = "llama_cpp_server"  # a preset is a system with its own name in records, tables and figures
+    adapter: str = "systems.llama_cpp.server_adapter:LlamaServerAdapter"
+
+
+@dataclass
 class LlamaCppOriginalConfig(LlamaCppConfig):
     """llama.cpp as the paper ran it, for mode=simulate: a 2024 build with llama_beam_search. That call was
     removed on 2024-06-04 (ggml-org/llama.cpp 0cd6bd3); -ngl whole layers that fit the GPU, beam search one

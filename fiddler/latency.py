@@ -9,7 +9,7 @@
 Two ways to get one: `calibrate` times the executor's real code paths (fitting the curves to raw samples,
 which are kept for the record), or `LatencyModel.from_hardware_spec` derives the same parameters from
 a HardwareSpec (bandwidths, TFLOP/s, cores, ISA, efficiency factors) for the simulator; the harness
-builds that from its environment config (runners/hardware_spec.py).
+builds that from its environment config (runners/hardware.py).
 """
 
 from __future__ import annotations

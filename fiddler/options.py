@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 PLANNERS = ("paper", "makespan")  # fiddler.planner: the paper's Algorithm 1, the project's makespan rule
 PLACEMENTS = ("popularity", "random")  # the harness's two; the server also takes fiddler.placement's others
 QUANTS = ("q8_0", "q4_0")  # llama.cpp blocks for experts and attention projections (fiddler.quant)
+RESIDENCIES = ("static", "lru", "lfu")  # fiddler.residency.POLICIES: how the resident set changes while serving
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ OPTIONS = (
     Option("planner", str, "makespan", PLANNERS),
     Option("placement", str, "popularity", help="popularity | random | none | all | fraction:X (fiddler.placement)"),
     Option("popularity", str, help="an expert-popularity JSON for placement=popularity"),
+    Option("residency", str, "static", RESIDENCIES,
+           help="how the GPU's resident experts change while serving: static (the placement's, for good), lru or "
+                "lfu (decayed frequency): fills in the copy engine's idle time (fiddler.residency)"),
     Option("quant", str, None, QUANTS, help="experts and attention as llama.cpp blocks"),
     Option("cpu_threads", int),
 )

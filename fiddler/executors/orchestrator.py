@@ -10,7 +10,10 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
 - outputs are combined like transformers' Mixtral (routing.SlotOutputs).
 
 Each expert has one host copy: the packed one the CPU kernel runs from (kind c), which kind b copies as
-it is and unpacks on the GPU side (fiddler.kernels.layout); a resident expert has only its GPU-side copy.
+it is and unpacks on the GPU side (fiddler.kernels.layout); a resident expert has only its GPU-side copy,
+unless the resident set adapts (fiddler.residency: an evicted expert must still be somewhere). Then, after a
+layer call, the cache's fill goes on in the copy engine's predicted idle time (into a fill buffer beside the
+copy buffers), and a finished fill is unpacked into the evicted expert's slot.
 
 Without CUDA the "GPU side" is the CPU device (GpuSide "emulated"), so placement, plans, buffer copies and
 combination run the same code (the copy is a real memcpy); the two queues then either split the cores
@@ -34,6 +37,8 @@ from ..kernels import layout
 from ..latency import LatencyModel, calibrate
 from ..placement import COPY_BUFFERS, Placement, place_spec
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
+from ..popularity import Popularity
+from ..residency import Chunk, ExpertCache, make_policy
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
@@ -86,6 +91,7 @@ class FiddlerStats(StatsBase):
     wall_s: float = 0.0
     cpu_queue_s: float = 0.0
     layers: list[LayerStats] = field(default_factory=list)
+    residency: dict = field(default_factory=dict)  # fiddler.residency.ExpertCache.describe(): policy, fills
 
     derived = ("gpu_hit_rate", "bytes_h2d")
 
@@ -149,7 +155,10 @@ class FiddlerExecutor(ExpertExecutor):
     def __init__(self, config, experts: list[list[ExpertWeights | None]], *, gpu: GpuSide, dtype: torch.dtype,
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None,
                  threads: Threads, use_kernel: bool = True, calibration_tokens: int = 128,
-                 take_ownership: bool = False, quant: str | None = None):
+                 take_ownership: bool = False, quant: str | None = None, residency: str = "static",
+                 popularity=None):
+        """residency: fiddler.residency's policy (static, lru, lfu), seeded from `popularity` (its shares; None:
+        uniform). Without a GPU side there is nothing resident and the policy is static."""
         self.config, self.gpu, self.dtype = config, gpu, dtype
         self.device = gpu.device
         self.cuda = gpu.is_cuda
@@ -175,6 +184,11 @@ class FiddlerExecutor(ExpertExecutor):
         # The host copies are packed for the CPU kernel when it serves this dtype; kind b copies those same
         # bytes and unpacks them on the GPU side (fiddler.kernels.layout).
         self.packed_host = self.kernel is not None
+        shares = Popularity.for_config(config, popularity).shares()
+        self.cache = ExpertCache(placement.resident, make_policy(residency if gpu.has_gpu else "static",
+                                                                 placement.resident, shares),
+                                 self._host_expert_bytes())
+        self.fill_buffer: list[torch.Tensor] = []  # where a fill's bytes land (fiddler.residency)
         self.buffers: list[list[torch.Tensor]] = []  # copy-in double buffer (kind b), in the reservation
         self.scratch: ExpertWeights | None = None  # the dense expert bf16 packed bytes are unpacked into
         self._check_host_memory(experts, take_ownership)
@@ -190,7 +204,7 @@ class FiddlerExecutor(ExpertExecutor):
             self.kernel.quant.tune_amx(self._host_copies(), threads=threads.all)
         if gpu.has_gpu and placement.num_resident < L * E:
             self._allocate_buffers()
-        self.copy_in = CopyIn(self.device, COPY_BUFFERS)
+        self.copy_in = CopyIn(self.device, COPY_BUFFERS + 1)  # the last slot: the fill buffer
         self.readback = Readback(self.device, gpu.has_gpu)  # a layer call's one device-to-host wait
         self._off_gpu = [not all(r) for r in placement.resident]  # layers with experts the CPU may run
         self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
@@ -211,11 +225,11 @@ class FiddlerExecutor(ExpertExecutor):
         L, E = self.config.num_moe_layers, self.config.expert_slots
         resident = self.placement.num_resident
         host_side = not self.cuda and self.gpu.has_gpu  # the emulated GPU's memory is host memory
-        need = {"experts": (L * E - resident) * self._host_expert_bytes()}
+        need = {"experts": (L * E - (0 if self.cache.adaptive else resident)) * self._host_expert_bytes()}
         if host_side:
             need["resident_experts"] = resident * self.expert_bytes
             if resident < L * E:
-                need["buffers"] = self._buffer_bytes()
+                need["buffers"] = self._buffer_bytes() + (self._host_expert_bytes() if self.cache.adaptive else 0)
         given = sum(hostmem.nbytes(e.w1, e.w3, e.w2) for layer in experts for e in layer if e is not None)
         released = given - max(self._host_expert_bytes(), self.expert_bytes) if take_ownership else 0
         hostmem.check_fits(f"{type(self).__name__} ({L} x {E} experts, {resident} resident)", need, released)
@@ -246,7 +260,7 @@ class FiddlerExecutor(ExpertExecutor):
                 w = experts[l][e]
                 if self.placement.resident[l][e]:
                     self.resident[l][e] = self._device_copy(w)
-                else:
+                if not self.placement.resident[l][e] or self.cache.adaptive:
                     copies[l][e] = self._host_copy(w)
                 if take_ownership:
                     experts[l][e] = None
@@ -294,6 +308,8 @@ class FiddlerExecutor(ExpertExecutor):
                         for _ in range(COPY_BUFFERS)]
         if self.packed_host and self.quant is None:
             self.scratch = empty_expert(self.config, self.dtype, self.device)
+        if self.cache.adaptive:
+            self.fill_buffer = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in self._host_tensors(h)]
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes this executor holds in host memory: expert copies (on an emulated GPU the resident ones too)
@@ -302,7 +318,7 @@ class FiddlerExecutor(ExpertExecutor):
         buffers = 0
         if not self.cuda:
             experts += sum(hostmem.nbytes(r.w1, r.w3, r.w2) for row in self.resident for r in row if r is not None)
-            buffers = sum(hostmem.nbytes(*b) for b in self.buffers)
+            buffers = sum(hostmem.nbytes(*b) for b in [*self.buffers, self.fill_buffer] if b)
             if self.scratch is not None:
                 buffers += hostmem.nbytes(self.scratch.w1, self.scratch.w3, self.scratch.w2)
         return {"experts": experts, "buffers": buffers}
@@ -326,7 +342,10 @@ class FiddlerExecutor(ExpertExecutor):
     # ------------------------------------------------------------------ bookkeeping
 
     def reset_stats(self) -> None:
+        """Fresh counters; the resident set itself carries on (what it learnt is the point of adapting)."""
         self.stats = FiddlerStats(layers=[LayerStats() for _ in range(self.config.num_moe_layers)])
+        self.cache.reset_stats()
+        self.stats.residency = self.cache.describe()
 
     def info(self) -> dict[str, Any]:
         k, th = self.kernel, self.threads
@@ -335,6 +354,7 @@ class FiddlerExecutor(ExpertExecutor):
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""), "has_gpu": self.gpu.has_gpu,
             "gpu_side": self.gpu.describe(),
             "placement": self.placement.to_dict(),
+            "residency": self.cache.policy.describe(),
             "planner": self.planner_name,
             "latency_model": self.latency_model.to_dict() if self.latency_model is not None else None,
             "cpu_expert_path": f"kernel:{k.isa()}" if k is not None else "torch",
@@ -397,19 +417,30 @@ class FiddlerExecutor(ExpertExecutor):
         scratch, quantized into block bytes the compute dequantizes), or the buffer itself. The slot is
         released here once unpacked, else by the caller after its compute."""
         self.copy_in.acquire(slot)
-        if not self.packed_host:
-            return ExpertWeights(*self.buffers[slot])
-        H, F_, q = self.config.hidden_size, self.config.intermediate_size, self.quant
-        w13, w2 = self.buffers[slot]
-        if q is None:
-            s = self.scratch
-            layout.unpack_into([s.w1, s.w3], w13, F_, H)
-            layout.unpack_into([s.w2], w2, H, F_)
-            w = s
-        else:
-            w = ExpertWeights(*layout.unpack(w13, F_, H, 2, q), *layout.unpack(w2, H, F_, 1, q))
-        self.copy_in.release(slot)
+        w = self._unpack(self.buffers[slot])
+        if self.packed_host:
+            self.copy_in.release(slot)
         return w
+
+    def _unpack(self, bufs: list[torch.Tensor], into: ExpertWeights | None = None) -> ExpertWeights:
+        """A host copy's bytes on the GPU side (`bufs`, as _host_tensors lists them) as weights the GPU side
+        computes with: written into `into` (a resident slot) where given, else the scratch (bf16 packed), new
+        block tensors (quantized packed) or the buffers themselves (not packed)."""
+        H, F_, q = self.config.hidden_size, self.config.intermediate_size, self.quant
+        if self.packed_host and q is None:
+            s = into if into is not None else self.scratch
+            layout.unpack_into([s.w1, s.w3], bufs[0], F_, H)
+            layout.unpack_into([s.w2], bufs[1], H, F_)
+            return s
+        if self.packed_host:
+            w = ExpertWeights(*layout.unpack(bufs[0], F_, H, 2, q), *layout.unpack(bufs[1], H, F_, 1, q))
+        else:
+            w = ExpertWeights(*bufs)
+        if into is None:
+            return w
+        for dst, src in zip((into.w1, into.w3, into.w2), (w.w1, w.w3, w.w2)):
+            dst.copy_(src)
+        return into
 
     # ------------------------------------------------------------------ forward
 
@@ -420,22 +451,24 @@ class FiddlerExecutor(ExpertExecutor):
         self.begin_forward(layer, x, topk_idx)
         # The call's one device-to-host wait (readback.Readback): the routing, and where this layer has experts
         # off the GPU, the CPU queue's rows and weights (all rows: which ones the CPU takes is decided after).
-        off_gpu = self._off_gpu[layer]
+        # (a resident set that adapts can move a fully resident layer's slot elsewhere)
+        off_gpu = self._off_gpu[layer] if not self.cache.adaptive else not all(self.cache.resident[layer])
         host = self.readback(topk_idx, E, layer, x if off_gpu else None, topk_w if off_gpu else None)
         if self.cuda and off_gpu:
             self.stats.bytes_d2h_activations += x.numel() * x.element_size()
         # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
         # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
-        plan: LayerPlan = self.planner(host.counts, self.placement.resident[layer], self.latency_model)
+        plan: LayerPlan = self.planner(host.counts, self.cache.resident[layer], self.latency_model)
+        installs = self._fill(layer, host.counts, plan) if self.cache.adaptive else ()
         if (T == 1 and self.fused_decode and self.packed_host and off_gpu and host.x.is_contiguous()
                 and host.w.dtype == torch.bfloat16 and max(host.counts) == 1
                 and all(d is None or d == CPU for d in plan.decisions)):
-            return self._decode_row_on_cpu(layer, host.x, host.row_ids, host.w, plan, t_start)
+            return self._install(installs, self._decode_row_on_cpu(layer, host.x, host.row_ids, host.w, plan, t_start))
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
         x_in, x = x, x.to(self.dtype)
         cpu_experts = plan.experts(CPU)
         if T == 1 and not cpu_experts:
-            return self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start)
+            return self._install(installs, self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start))
         groups = ExpertGroups(topk_idx, E, layer, host.counts)  # where the combination is: the GPU side
         combined = SlotOutputs(x, K, self._scratch, gpu_side=self.gpu.has_gpu)
 
@@ -474,6 +507,35 @@ class FiddlerExecutor(ExpertExecutor):
             combined.put_flat(flat_c, y_c, topk_w)
         out = combined.sum()
         self.stats.add_plan(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
+        return self._install(installs, out)
+
+    # ------------------------------------------------------------------ the resident set adapting
+
+    def _fill(self, layer: int, counts, plan: LayerPlan) -> list:
+        """The cache's step for this call (fiddler.residency.ExpertCache), as the call is planned: its chunk of
+        the fill goes to the copy engine now (the cache sized it to the engine's predicted idle time in this
+        call); the installs it returns wait for the end of the call (`_install`)."""
+        installs = []
+        for a in self.cache.step(layer, counts, plan, self.latency_model):
+            if isinstance(a, Chunk):
+                srcs = self._host_tensors(self._holding(a.layer, a.expert))
+                self.copy_in.copy(COPY_BUFFERS, *_byte_range(self.fill_buffer, srcs, a.start, a.end))
+                self.stats.bytes_h2d_weights += a.end - a.start
+            else:
+                installs.append(a)
+        self.stats.residency = self.cache.describe()
+        return installs
+
+    def _install(self, installs, out: torch.Tensor) -> torch.Tensor:
+        """Finished fills, after the call's own work is issued (so on CUDA waiting for the fill's copy holds up
+        nothing of it, and an evicted expert this call ran is overwritten after it ran): the fill buffer unpacked
+        into the evicted expert's slot, which becomes the new expert's."""
+        for a in installs:
+            slot = self.resident[a.victim_layer][a.victim]
+            self.copy_in.acquire(COPY_BUFFERS)
+            self._unpack(self.fill_buffer, into=slot)
+            self.copy_in.release(COPY_BUFFERS)
+            self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
         return out
 
     def _gpu_queue(self, layer: int, plan: LayerPlan, run) -> None:
@@ -616,13 +678,29 @@ class FiddlerExecutor(ExpertExecutor):
         return lm
 
 
+def _byte_range(dsts: list[torch.Tensor], srcs: list[torch.Tensor], start: int, end: int):
+    """Bytes [start, end) of `srcs` laid end to end (each in its logical order), and the same bytes of `dsts`
+    (contiguous, shaped alike): (dst pieces, src pieces) for CopyIn.copy."""
+    out_d, out_s, off = [], [], 0
+    for d, s in zip(dsts, srcs):
+        n = s.numel() * s.element_size()
+        a, b = max(start, off), min(end, off + n)
+        if a < b:
+            assert d.is_contiguous()
+            out_d.append(d.view(-1).view(torch.uint8)[a - off:b - off])
+            out_s.append(s.reshape(-1).view(torch.uint8)[a - off:b - off])
+        off += n
+    return out_d, out_s
+
+
 # ---------------------------------------------------------------------------- building
 
 def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, max_seq_len: int, max_batch: int,
                    placement: str | Placement = "popularity", popularity=None, planner: str = "makespan",
                    latency_model=None, cpu_threads: int | None = None, seed: int = 0,
                    dtype: torch.dtype | None = None, overlap: bool | None = None,
-                   take_ownership: bool = False, quant: str | None = None) -> FiddlerExecutor:
+                   take_ownership: bool = False, quant: str | None = None,
+                   residency: str = "static") -> FiddlerExecutor:
     """Fiddler's executor for `experts` [layer][expert].
 
     gpu: where the GPU side is and its budget (GpuSide). Without a GPU every expert runs on the CPU (kind
@@ -635,17 +713,20 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
     take_ownership: clear the entries of `experts` as they are taken over (the list is unusable afterwards).
     quant: None, or "q8_0" / "q4_0" when `experts` hold llama.cpp block bytes (fiddler.quant): the CPU
       kernel computes on them, the GPU side stores/copies them and dequantizes, placement counts them.
+    residency: how the resident set changes while it runs (fiddler.residency: "static", "lru", "lfu"); an
+      adaptive one reserves a fill buffer in the budget and seeds itself from `popularity`.
     """
     quant = fquant.check_quant(quant)
     if dtype is None and quant is not None:
         raise ValueError("build_executor: quantized experts need the model dtype")
     dtype = dtype or experts[0][0].w1.dtype
     pl = place_spec(placement, config, dtype, gpu.budget_bytes, popularity=popularity, max_seq_len=max_seq_len,
-                    max_batch=max_batch, seed=seed, quant=quant, overhead=gpu.overhead_bytes())
+                    max_batch=max_batch, seed=seed, quant=quant, overhead=gpu.overhead_bytes(),
+                    fill_buffer=residency != "static")
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,
-                           quant=quant)
+                           quant=quant, residency=residency, popularity=popularity)
 
 
 @dataclass(frozen=True)
@@ -658,10 +739,16 @@ class FiddlerPolicy:
     planner: str = "makespan"
     latency_model: Any = None
     overlap: bool | None = None
+    residency: str = "static"
+
+    @property
+    def fill_buffer(self) -> bool:
+        """Whether the executor reserves a fill buffer (the engine sizes its dense placement alike)."""
+        return self.residency != "static"
 
     def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights]]) -> FiddlerExecutor:
         return build_executor(ctx.config, experts, gpu=ctx.gpu, max_seq_len=ctx.max_seq_len,
                               max_batch=ctx.max_batch, placement=self.placement, popularity=self.popularity,
                               planner=self.planner, latency_model=self.latency_model, cpu_threads=ctx.cpu_threads,
                               seed=ctx.seed, dtype=ctx.dtype, overlap=self.overlap, take_ownership=True,
-                              quant=ctx.quant)
+                              quant=ctx.quant, residency=self.residency)

@@ -117,7 +117,8 @@ def loader(args):
         from ..executors import FiddlerPolicy
         from ..gpu_side import GpuSide
 
-        policy = FiddlerPolicy(placement=args.placement, popularity=args.popularity, planner=args.planner)
+        policy = FiddlerPolicy(placement=args.placement, popularity=args.popularity, planner=args.planner,
+                               residency=args.residency)
         be = BatchEngine.from_pretrained(args.model, slots=args.slots, token_budget=args.token_budget,
                                          max_queue=args.max_queue, dtype=getattr(torch, args.dtype),
                                          gpu=GpuSide.for_budget_gb(args.gpu_budget_gb), executor=policy,

@@ -28,6 +28,7 @@ import numpy as np
 from ..executors.orchestrator import FiddlerStats, LayerStats
 from ..placement import COPY_BUFFERS, Placement, place, place_spec
 from ..planner import COPY, CPU, GPU, get_planner
+from ..residency import Chunk, ExpertCache, Install, make_policy
 from .clock import Clock
 from .simulator import SimContext, SimPolicy, Step
 
@@ -40,8 +41,9 @@ class FiddlerSimPolicy(SimPolicy):
     name = "fiddler"
 
     def __init__(self, planner: str = "makespan", placement: str | Placement = "popularity",
-                 overlap: bool = True, quant: str | None = None):
+                 overlap: bool = True, quant: str | None = None, residency: str = "static"):
         self.weight_quant = quant  # the engine's quant=: experts and attention projections as llama.cpp blocks
+        self.residency = residency  # fiddler.residency: static, or a resident set that adapts while it runs
         self.planner_name = planner
         self.placement_spec = placement
         self.overlap = bool(overlap)
@@ -51,7 +53,8 @@ class FiddlerSimPolicy(SimPolicy):
         if ctx.has_gpu:
             self.placement = place_spec(self.placement_spec, cfg, ctx.dtype, ctx.gpu_budget_bytes,
                                         popularity=ctx.popularity, max_seq_len=ctx.max_seq_len,
-                                        max_batch=ctx.max_batch, seed=ctx.seed, quant=ctx.quant)
+                                        max_batch=ctx.max_batch, seed=ctx.seed, quant=ctx.quant,
+                                        fill_buffer=self.residency != "static")
         else:
             self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch,
                                    quant=ctx.quant)
@@ -59,12 +62,20 @@ class FiddlerSimPolicy(SimPolicy):
         self.active_planner = self.planner_name if ctx.has_gpu else "cpu"
         self.planner = get_planner(self.active_planner)
         self._plans: dict[tuple, Any] = {}
+        self._ctx = ctx
         self.reset()
 
     def reset(self) -> None:
+        """A fresh run: counters, and the resident set back to the placement's (the engine builds its executor,
+        and with it the cache, once per run too)."""
         layers = len(self.placement.resident) if hasattr(self, "placement") else 0
         self.st = FiddlerStats(layers=[LayerStats() for _ in range(layers)])
         self._x_on_gpu = False
+        if hasattr(self, "placement"):
+            ctx = self._ctx
+            shares = ctx.popularity.shares() if ctx.popularity is not None else [[1.0] * len(r) for r in self.placement.resident]
+            policy = make_policy(self.residency if ctx.has_gpu else "static", self.placement.resident, shares)
+            self.cache = ExpertCache(self.placement.resident, policy, ctx.costs.expert_bytes)
 
     def _dense_on_gpu(self, ctx: SimContext, layer: int) -> bool:
         g = getattr(self, "placement", None) and self.placement.gpu_layers
@@ -119,11 +130,25 @@ class FiddlerSimPolicy(SimPolicy):
         return self._attention(clock, ctx, step, layer, ready, mlp=True)
 
     def _plan(self, layer: int, counts: tuple):
-        key = (layer, counts)
+        resident = self.cache.resident[layer]
+        key = (layer, counts, tuple(resident))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self.planner(list(counts), self.placement.resident[layer], self.lm)
+            plan = self._plans[key] = self.planner(list(counts), resident, self.lm)
         return plan
+
+    def _fill(self, clock: Clock, ctx: SimContext, layer: int, counts: tuple, plan, start: float) -> list:
+        """The resident set's step for this layer call (fiddler.residency.ExpertCache), as the executor runs it:
+        the fill's chunk on the copy engine as the call is planned (`start`); returns the installs, each with
+        when its copy is in (the executor unpacks them on the GPU after the call's own work)."""
+        copied, installs = start, []
+        for a in self.cache.step(layer, counts, plan, self.lm):
+            if isinstance(a, Chunk):
+                copied = clock.h2d.run(start, ctx.hw.h2d(a.end - a.start))
+                self.st.bytes_h2d_weights += a.end - a.start
+            elif isinstance(a, Install):
+                installs.append(copied)
+        return installs
 
     def layer(self, clock: Clock, ctx: SimContext, step: Step, layer: int, routing, ready: float) -> float:
         hw, costs = ctx.hw, ctx.costs
@@ -133,6 +158,7 @@ class FiddlerSimPolicy(SimPolicy):
         plan = self._plan(layer, counts)
         eb, fpt = costs.expert_bytes, costs.expert_flops_per_token
         t_attn = self._attention(clock, ctx, step, decoder_layer, ready)
+        installs = self._fill(clock, ctx, layer, counts, plan, t_attn) if ctx.has_gpu else []
         if not ctx.has_gpu:
             t = t_attn
             for e in plan.experts(CPU):
@@ -165,6 +191,8 @@ class FiddlerSimPolicy(SimPolicy):
             computed.append(g)
         if cpu_experts and self.overlap:
             c_done = cpu_queue(t_attn)
+        for copied in installs:  # unpack the fill buffer into the evicted expert's slot
+            g = clock.gpu.run(max(g, copied), hw.gpu(2 * eb, 0.0))
         n_copies = len(plan.experts(COPY))
         self.st.weight_copies += n_copies
         self.st.bytes_h2d_weights += n_copies * eb
@@ -178,6 +206,7 @@ class FiddlerSimPolicy(SimPolicy):
 
     def stats(self) -> dict[str, Any]:
         d = self.st.to_dict()
+        d["residency"] = self.cache.describe()
         d.pop("layers")  # per-layer detail stays out of records (as in execute mode's summary)
         d.pop("wall_s")
         d.pop("cpu_queue_s")

@@ -21,7 +21,7 @@ class FiddlerAdapter(EngineAdapter):
                                     "mode=simulate only; execute mode runs this project's engine")
         popularity = c.popularity(self.model.name)
         return FiddlerPolicy(placement=c.placement.value, popularity=popularity, planner=c.planner.value,
-                             overlap=c.overlap)
+                             overlap=c.overlap, residency=c.residency.value)
 
     def server_command(self, serve) -> list[str]:
         """fiddler.server with this system's options: the engine's flags from its one table (fiddler/options.py)."""
@@ -56,7 +56,8 @@ class FiddlerAdapter(EngineAdapter):
             cmd += ["--prefix-cache-mb", f"{serve.prefix_cache_mb:g}"]
         return cmd + command_line(gpu_budget_gb=gb, cpu_threads=c.thread_count(self.ctx.threads),
                                   planner=c.planner.value, placement=c.placement.value,
-                                  popularity=str(popularity) if popularity else None, quant=c.quant)
+                                  popularity=str(popularity) if popularity else None, quant=c.quant,
+                                  residency=None if c.residency.value == "static" else c.residency.value)
 
     def server_notes(self) -> dict:
         return {"server": "fiddler.server (fiddler.batch.BatchEngine: continuous batching)"}

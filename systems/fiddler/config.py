@@ -12,6 +12,7 @@ from systems.engine_config import EngineSystemConfig
 # the engine's choices (fiddler/options.py, the table the server's command line is made from too)
 Planner = Enum("Planner", {name: name for name in engine_options.PLANNERS}, module=__name__)
 PlacementRule = Enum("PlacementRule", {name: name for name in engine_options.PLACEMENTS}, module=__name__)
+Residency = Enum("Residency", {name: name for name in engine_options.RESIDENCIES}, module=__name__)
 
 
 @dataclass
@@ -29,6 +30,9 @@ class FiddlerConfig(EngineSystemConfig):
     # JSON profile (scripts/profile_popularity.py format); None = the model's reference profile
     # (mixtral_8x7b: results/reference/mixtral-8x7b/expert-popularity), else uniform
     popularity_profile: Optional[str] = None
+    # how the resident set changes while it runs (fiddler.residency): static (placement's experts for good, the
+    # paper's), lru, or lfu (decayed frequency, the adaptive default); `placement` says which experts start resident
+    residency: Residency = Residency.static
     overlap: Optional[bool] = None  # CPU and GPU queues concurrently; None = the executor's default (ablation: false)
     # None (the model dtype), q8_0 or q4_0: experts and attention projections as llama.cpp blocks
     # (fiddler.quant), like for like with system=llama_cpp's quant of the same type (quant_policy: pure)
@@ -71,7 +75,7 @@ class FiddlerConfig(EngineSystemConfig):
         from fiddler.sim import FiddlerSimPolicy
 
         return FiddlerSimPolicy(planner=self.planner.value, placement=self.placement.value,
-                                overlap=self.overlap is not False, quant=self.quant)
+                                overlap=self.overlap is not False, quant=self.quant, residency=self.residency.value)
 
 
 @dataclass

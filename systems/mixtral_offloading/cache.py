@@ -1,12 +1,11 @@
 """Mixtral-Offloading's expert cache, the rules its executor (executor.py, torch) and its simulator (sim.py)
 share: how many experts per layer the GPU holds, which ones it holds at load, and the LRU order they are used
-and evicted in (ExpertLRU). Torch-free at import, so
+and evicted in (ExpertLRU, fiddler.residency's, which Fiddler's LRU residency uses too). Torch-free at import, so
 the simulator and the config import it without the executor (which made config -> sim -> executor ->
 config a circle)."""
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any
 
 #: cache_size per layer when there is neither an explicit option nor a GPU budget: the original's demo
 #: offloads 4-6 of Mixtral's 8 experts per layer; 2 resident of 8 is the "offload 6" setting.
@@ -17,51 +16,6 @@ def initial_residents(num_experts: int, cache_size: int) -> list[int]:
     """The experts each layer's cache holds at load, least recently used first: the original keeps the
     layer's last `cache_size` experts."""
     return list(range(num_experts - cache_size, num_experts))
-
-
-class ExpertLRU(OrderedDict):
-    """One layer's cached experts, least recently used first: expert -> what its user keeps for it (the
-    executor's device slot, the simulator's time the slot is free), and which were prefetched and not used
-    since. The executor and the simulator run the same rule through it: hits become most recently used in
-    routing order, then each miss evicts the least recently used expert."""
-
-    def __init__(self, residents: Iterable[tuple[int, Any]] = ()):
-        super().__init__(residents)
-        self.prefetched: set[int] = set()
-
-    def split(self, active: Iterable[int]) -> tuple[list[int], list[int]]:
-        """(hits, misses) of the layer's active experts, each in the order given."""
-        active = list(active)
-        return [e for e in active if e in self], [e for e in active if e not in self]
-
-    def use(self, e: int) -> bool:
-        """Mark a cached expert most recently used; True where that is the first use of a prefetched one."""
-        self.move_to_end(e)
-        if e in self.prefetched:
-            self.prefetched.discard(e)
-            return True
-        return False
-
-    def evict(self) -> tuple[Any, bool]:
-        """Drop the least recently used expert: (what was kept for it, whether it was prefetched and never used)."""
-        e, kept = self.popitem(last=False)
-        unused = e in self.prefetched
-        self.prefetched.discard(e)
-        return kept, unused
-
-    def to_prefetch(self, guesses: Iterable[int]) -> list[int]:
-        """The guessed experts to copy in, in order: the cached ones become most recently used (kept) first."""
-        guesses = list(guesses)
-        for e in guesses:
-            if e in self:
-                self.move_to_end(e)
-        return [e for e in guesses if e not in self]
-
-    def add(self, e: int, kept: Any, prefetched: bool = False) -> None:
-        """A copied-in expert, most recently used."""
-        self[e] = kept
-        if prefetched:
-            self.prefetched.add(e)
 
 
 def derive_cache_size(config, dtype, budget_bytes: int, *, max_seq_len: int, max_batch: int,

@@ -35,8 +35,9 @@ import torch
 from fiddler.executors import (COPY, GPU, BuildContext, CopyIn, ExpertExecutor, ExpertGroups, ExpertWeights, GpuSide,
                                SlotOutputs, StatsBase, kind_counter, torch_expert)
 from fiddler.model import rms_norm
+from fiddler.residency import ExpertLRU
 
-from .cache import DEFAULT_CACHE_SIZE, ExpertLRU, choose_cache_size, initial_residents
+from .cache import DEFAULT_CACHE_SIZE, choose_cache_size, initial_residents
 from .config import PrefetchInput
 
 PREFETCH_INPUTS = tuple(p.value for p in PrefetchInput)

@@ -27,9 +27,10 @@ import numpy as np
 
 from fiddler.executors import COPY, GPU, kind_counter
 from fiddler.sim import SimContext, SimPolicy, Step
+from fiddler.residency import ExpertLRU
 from fiddler.sim.fiddler_policy import ATTENTION_LAUNCHES
 
-from .cache import ExpertLRU, choose_cache_size, initial_residents
+from .cache import choose_cache_size, initial_residents
 
 
 class MixtralOffloadingSimPolicy(SimPolicy):

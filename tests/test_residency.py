@@ -1,0 +1,277 @@
+"""The resident set that adapts (fiddler.residency): the policies' rules, the fill mechanism's arithmetic with
+injected latency models, the executor's fills (exact, slots holding the right bytes), the engine against
+transformers with every policy, the budget's fill buffer, and the harness key."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fiddler.config import MoEConfig
+from fiddler.executors import GpuSide, build_executor
+from fiddler.latency import LatencyModel
+from fiddler.placement import place, reservation
+from fiddler.planner import COPY, CPU, GPU, LayerPlan
+from fiddler.residency import (Chunk, DecayedLFUPolicy, ExpertCache, Install, LRUPolicy, ResidencyPolicy,
+                               make_policy)
+from tests.test_executor import BIG, CFG, make_experts, reference, routing
+
+HOST = 1000  # bytes of one host copy in the mechanism tests
+LM = LatencyModel.manual(cpu=(1e-3, 0.0), gpu=(1e-4, 0.0), transfer=4e-3)  # a copy takes 4 CPU experts' time
+
+
+def plan(counts, decisions, lm=LM) -> LayerPlan:
+    from fiddler.planner import predict
+
+    c, g = predict(counts, decisions, lm)
+    return LayerPlan(tuple(decisions), tuple(counts), c, g)
+
+
+def two_layers(resident0, resident1, shares=None):
+    res = [list(resident0), list(resident1)]
+    return res, shares or [[0.5] * len(resident0) for _ in res]
+
+
+# ----------------------------------------------------------------------------------------- policies
+
+def test_static_never_fills_and_counts_nothing():
+    res, sh = two_layers([True, False, False, False], [True, False, False, False])
+    cache = ExpertCache(res, ResidencyPolicy(res, sh), HOST)
+    for _ in range(10):
+        assert cache.step(0, [0, 3, 0, 0], plan([0, 3, 0, 0], [None, CPU, None, None]), LM) == []
+    assert cache.resident == res and cache.stats.routed == 0 and cache.describe() == {"policy": "static"}
+
+
+def test_lfu_learns_a_shift_and_evicts_the_coldest_slot_of_any_layer():
+    # layer 0 holds expert 0, layer 1 holds expert 0; the routing adds expert 2 of layer 0, and layer 1's
+    # expert 0 is never routed: its slot is the coldest
+    res, _ = two_layers([True, False, False, False], [True, False, False, False])
+    pol = DecayedLFUPolicy(res, [[1.0, 0.4, 0.3, 0.3]] * 2, half_life=4, margin=1.1, prior_calls=2)
+    cache = ExpertCache(res, pol, HOST)
+    actions = []
+    for _ in range(6):
+        counts = [1, 0, 1, 0]
+        actions += cache.step(0, counts, plan(counts, [GPU, None, CPU, None]), None)
+        cache.step(1, [0, 1, 0, 0], plan([0, 1, 0, 0], [None, CPU, None, None]), None)
+    installs = [a for a in actions if isinstance(a, Install)]
+    assert installs and installs[0].layer == 0 and installs[0].expert == 2
+    assert (installs[0].victim_layer, installs[0].victim) == (1, 0)  # the other layer's cold slot
+    assert cache.resident[0][2] and not cache.resident[1][0]
+    assert sum(map(sum, cache.resident)) == 2  # a fill moves a slot, never adds one
+    assert cache.stats.fills == cache.stats.to_dict()["evictions"] >= 1
+
+
+def test_lfu_does_not_swap_near_ties():
+    res, _ = two_layers([True, False], [True, False])
+    pol = DecayedLFUPolicy(res, [[0.5, 0.5], [0.5, 0.5]], half_life=8, margin=1.5, prior_calls=4)
+    cache = ExpertCache(res, pol, HOST)
+    for i in range(40):  # both experts routed alike: never worth a copy
+        counts = [1, 1]
+        cache.step(i % 2, counts, plan(counts, [GPU, CPU]), LM)
+    assert cache.stats.fills_started == 0 and cache.resident == [[True, False], [True, False]]
+
+
+def test_lru_admits_a_repeated_miss_and_evicts_its_layers_least_recent():
+    res, _ = two_layers([True, True, False, False], [True, False, False, False])
+    pol = LRUPolicy(res, [[0.6, 0.5, 0.2, 0.2], [0.5, 0.2, 0.2, 0.2]], admission_half_life=2)
+    assert list(pol.lru[0]) == [1, 0]  # least popular resident is the least recently used at the start
+    cache = ExpertCache(res, pol, HOST)
+    counts = [1, 0, 0, 0]
+    cache.step(0, counts, plan(counts, [GPU, None, None, None]), None)  # expert 0 used: expert 1 is the LRU
+    installs = []
+    for _ in range(4):  # expert 3 keeps missing: its admission count passes expert 1's
+        counts = [0, 0, 0, 2]
+        installs += [a for a in cache.step(0, counts, plan(counts, [None, None, None, CPU]), None)
+                     if isinstance(a, Install)]
+    assert installs[0] == Install(0, 3, 0, 1)
+    assert cache.resident[0] == [True, False, False, True] and cache.resident[1] == [True, False, False, False]
+    assert list(pol.lru[0])[-1] == 3
+
+
+def test_lru_refuses_a_one_off_miss():
+    res, _ = two_layers([True, False, False, False], [True, False, False, False])
+    pol = LRUPolicy(res, [[1.0, 0.4, 0.3, 0.3]] * 2)
+    cache = ExpertCache(res, pol, HOST)
+    counts = [0, 1, 0, 0]
+    assert cache.step(0, counts, plan(counts, [None, CPU, None, None]), None) == []
+    assert cache.stats.fills_started == 0
+
+
+def test_make_policy_names():
+    res, sh = two_layers([True, False], [False, True])
+    assert [make_policy(n, res, sh).name for n in ("static", "lru", "lfu")] == ["static", "lru", "lfu"]
+    with pytest.raises(ValueError, match="unknown residency policy"):
+        make_policy("fifo", res, sh)
+    with pytest.raises(ValueError, match="half-life"):
+        make_policy("lfu", res, sh, half_life=0)
+
+
+# ----------------------------------------------------------------------------------------- mechanism
+
+def eager_cache(res=None):
+    """An LFU cache that wants expert 1 of layer 0 at once."""
+    res = res or [[True, False], [True, False]]
+    shares = [[0.1, 5.0] + [0.2] * (len(res[0]) - 2) for _ in res]
+    return ExpertCache(res, DecayedLFUPolicy(res, shares, half_life=8, margin=1.1), HOST)
+
+
+def test_a_fill_goes_in_the_copy_engines_predicted_idle_time_only():
+    cache = eager_cache()
+    counts = [0, 1]
+    p = plan(counts, [None, CPU])  # CPU queue 1 ms; a copy 4 ms: a quarter of the expert per call
+    chunks = []
+    for _ in range(3):
+        chunks += cache.step(0, counts, p, LM)
+    assert all(isinstance(c, Chunk) for c in chunks) and [c.end - c.start for c in chunks] == [250] * 3
+    assert [c.start for c in chunks] == [0, 250, 500]
+    # a call that copies an expert in keeps the copy engine: the fill waits
+    pb = plan([5, 5], [GPU, COPY])
+    assert cache.step(1, [5, 5], pb, LM) == []
+    last = cache.step(0, counts, p, LM)
+    assert [type(a) for a in last] == [Chunk, Install] and last[0].end == HOST
+    assert cache.stats.fill_bytes == HOST and cache.stats.fills == 1 and cache.resident[0] == [False, True]
+
+
+def test_the_predicted_makespan_bounds_a_fill_with_no_cpu_expert():
+    cache = eager_cache([[True, False, True], [True, False, False]])
+    counts = [2, 0, 1]  # both resident: the GPU queue's makespan is the window
+    p = plan(counts, [GPU, None, GPU])
+    (chunk,) = cache.step(0, counts, p, LM)
+    assert chunk.end - chunk.start == int(p.makespan / LM.transfer() * HOST)
+
+
+def test_a_fill_no_longer_worth_a_slot_is_abandoned():
+    res = [[True, False], [True, False]]
+    pol = DecayedLFUPolicy(res, [[0.1, 5.0], [0.1, 5.0]], half_life=1, margin=1.1)
+    cache = ExpertCache(res, pol, HOST)
+    counts = [0, 1]
+    cache.step(0, counts, plan(counts, [None, CPU]), LM)  # starts the fill of (0, 1)
+    for _ in range(20):  # the routing turns to expert 0 everywhere before the copy is in
+        cache.step(1, [4, 0], plan([4, 0], [GPU, None]), LM)
+        cache.step(0, [4, 0], plan([4, 0], [GPU, None]), LM)
+    assert cache.stats.abandoned == 1 and cache.stats.fills == 0 and cache.resident == res
+
+
+def test_the_budget_reserves_one_fill_buffer():
+    cfg = MoEConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_experts=8, top_k=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, vocab_size=128)
+    static = reservation(cfg, torch.float32, 64, 1)
+    adaptive = reservation(cfg, torch.float32, 64, 1, fill_buffer=True)
+    assert adaptive == {**static, "fill_buffer": cfg.expert_bytes(torch.float32)}
+    budget = sum(adaptive.values()) + 4 * cfg.expert_bytes(torch.float32)
+    assert place(cfg, torch.float32, budget, max_seq_len=64, max_batch=1).num_resident == 5
+    assert place(cfg, torch.float32, budget, max_seq_len=64, max_batch=1, fill_buffer=True).num_resident == 4
+
+
+# ----------------------------------------------------------------------------------------- executor
+
+MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)  # decode rows run on the CPU
+
+
+def run_executor(dtype, quant, residency, steps=24):
+    experts = make_experts(dtype=dtype)
+    if quant is not None:
+        from fiddler.quant import quantize_experts
+
+        experts = quantize_experts(experts, quant)
+    keep = [list(r) for r in experts]
+    ex = build_executor(CFG, experts, gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
+                        placement="fraction:0.25", planner="makespan", latency_model=MIX, residency=residency,
+                        dtype=torch.bfloat16 if quant else dtype, quant=quant)
+    outs = []
+    for step in range(steps):
+        x, idx, w = routing(16 if step == 0 else 1, seed=step, dtype=torch.float32 if quant else dtype)
+        outs.append([(ex.forward(l, x, idx, w), x, idx, w) for l in range(CFG.num_layers)])
+    return ex, keep, outs
+
+
+@pytest.mark.parametrize("residency", ["lru", "lfu"])
+def test_executor_fills_exact_fp32(residency):
+    ex, experts, outs = run_executor(torch.float32, None, residency)
+    for step in outs:
+        for layer, (out, x, idx, w) in enumerate(step):
+            assert torch.equal(out, reference(experts[layer], x, idx, w))
+    r = ex.stats.residency
+    assert r["policy"] == residency and r["fills"] >= 1 and r["evictions"] == r["fills"]
+    assert ex.stats.gpu_hit_rate == pytest.approx(r["hit_rate"])
+    assert ex.cache.resident != ex.placement.resident  # the set moved
+    assert sum(map(sum, ex.cache.resident)) == ex.placement.num_resident
+
+
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "q8_0")])
+def test_installed_slots_hold_the_experts_bytes(dtype, quant):
+    """Whatever the host format (as given, packed for the kernel, quantized blocks), a fill unpacks into the
+    evicted slot exactly the device copy a resident expert of that id has at load."""
+    if dtype == torch.bfloat16:
+        from fiddler.kernel_loader import load_kernels
+
+        if load_kernels() is None:
+            pytest.skip("the packed host format needs the C++ kernel")
+    ex, experts, _ = run_executor(dtype, quant, "lfu", steps=30)
+    assert ex.stats.residency["fills"] >= 1
+    for l, row in enumerate(ex.resident):
+        for e, slot in enumerate(row):
+            assert (slot is not None) == ex.cache.resident[l][e]
+            if slot is not None:
+                want = ex._device_copy(experts[l][e])
+                for a, b in ((slot.w1, want.w1), (slot.w3, want.w3), (slot.w2, want.w2)):
+                    assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------- engine
+
+@pytest.mark.parametrize("residency", ["lru", "lfu"])
+def test_engine_greedy_and_beams_match_transformers_with_fills(residency):
+    """0 / 50 / 100% resident: the same tokens as transformers; fills and evictions at 50%."""
+    from fiddler import Engine
+    from fiddler.executors import FiddlerPolicy
+    from tests.models import hf_model, model_path, prompt
+
+    hf = hf_model("e8k2", torch.float32)
+    ids = prompt(12, hf.config.vocab_size, seed=3)
+    greedy = hf.generate(ids[None], max_new_tokens=10, do_sample=False)[0, 12:]
+    beams = hf.generate(ids[None], max_new_tokens=6, do_sample=False, num_beams=3, early_stopping=False,
+                        length_penalty=1.0)[0, 12:]
+    for placement in ("none", "fraction:0.5", "all"):
+        eng = Engine.from_pretrained(model_path("e8k2"), dtype=torch.float32, gpu=GpuSide.emulated(1 << 40),
+                                     executor=FiddlerPolicy(placement=placement, latency_model=MIX,
+                                                            residency=residency))
+        fills = 0
+        out = eng.generate(ids, max_new_tokens=10)
+        fills += eng.executor.stats.residency.get("fills", 0)
+        assert out.tokens.tolist() == greedy.tolist(), placement
+        out = eng.generate(ids, max_new_tokens=6, beam_width=3)
+        fills += eng.executor.stats.residency.get("fills", 0)
+        assert out.tokens.tolist() == beams.tolist(), placement
+        if placement == "fraction:0.5":
+            assert fills >= 1
+        else:
+            assert fills == 0
+
+
+# ----------------------------------------------------------------------------------------- harness
+
+def test_the_harness_key_reaches_the_simulator(tmp_path):
+    from runners.main import run_job
+    from tests.test_harness import cfg_of as compose
+
+    recs = {}
+    for pol in ("static", "lfu"):
+        (rec,) = run_job(compose("mode=simulate", "system=fiddler", "model=mixtral_8x7b", "environment=rtx4090",
+                                 f"system.residency={pol}", "sim.reuse=0", "workload.input_lens=[16]",
+                                 "workload.output_lens=[32]", "run.progress=false",
+                                 f"run.index_path={tmp_path / 'index.jsonl'}"), tmp_path / pol)
+        assert rec["status"] == "ok", rec.get("reason")
+        recs[pol] = rec
+    assert recs["static"]["stats"]["executor"]["residency"] == {"policy": "static"}
+    lfu = recs["lfu"]["stats"]["executor"]["residency"]
+    assert lfu["policy"] == "lfu" and lfu["routed"] == recs["lfu"]["stats"]["executor"]["routed_tokens"]
+    assert recs["lfu"]["system_info"]["placement"]["reserved_bytes"]["fill_buffer"] > 0
+    assert "fill_buffer" not in recs["static"]["system_info"]["placement"]["reserved_bytes"]
+
+
+def test_a_bad_policy_name_is_refused_at_start():
+    from tests.test_harness import cfg_of
+
+    with pytest.raises(Exception, match=r"system.residency=fifo") as e:
+        cfg_of("system=fiddler", "system.residency=fifo")
+    assert "expected one of [static, lru, lfu]" in str(e.value.__cause__ or e.value)

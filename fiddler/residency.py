@@ -162,6 +162,7 @@ class LRUPolicy(ResidencyPolicy):
         return self.admission.admit(layer, e, victim)
 
     def swapped(self, layer, e, victim):
+        self.admission.swapped(layer, e, victim)
         self.lru[victim[0]].pop(victim[1], None)
         self.lru[layer].add(e, None)
 
@@ -189,11 +190,20 @@ class DecayedLFUPolicy(ResidencyPolicy):
         # the profile counts as this many calls of one token each (default: the steady state, 1 / (1 - decay))
         self.prior_calls = float(PRIOR_CALLS if prior_calls is None else prior_calls) or 1.0 / (1.0 - self.decay)
         self.score = [[float(s) * self.prior_calls for s in sh] for sh in shares]
+        # each layer's coldest resident expert, (count, layer, expert): a layer's counts change only when it is
+        # called, so the coldest slot of all is the least of these (O(layers + experts) a call, not O(slots))
+        self.slots = [[e for e, r in enumerate(row) if r] for row in resident]
+        self.coldest = [self._coldest(l) for l in range(len(resident))]
+
+    def _coldest(self, layer):
+        sc = self.score[layer]
+        return min(((sc[e], layer, e) for e in self.slots[layer]), default=None)
 
     def observe(self, layer, counts, resident):
         d, sc = self.decay, self.score[layer]
         for e, n in enumerate(counts):
             sc[e] = sc[e] * d + n
+        self.coldest[layer] = self._coldest(layer)
 
     def candidate(self, layer, counts, resident):
         sc = self.score[layer]
@@ -201,11 +211,17 @@ class DecayedLFUPolicy(ResidencyPolicy):
         return max(out, key=lambda e: (sc[e], -e)) if out else None
 
     def victim(self, layer, resident):
-        ins = [(l, e) for l, row in enumerate(resident) for e, r in enumerate(row) if r]
-        return min(ins, key=lambda p: (self.score[p[0]][p[1]], p)) if ins else None
+        c = min((c for c in self.coldest if c is not None), default=None)
+        return None if c is None else (c[1], c[2])
 
     def admit(self, layer, e, victim):
         return self.score[layer][e] > self.score[victim[0]][victim[1]] * self.margin
+
+    def swapped(self, layer, e, victim):
+        self.slots[victim[0]].remove(victim[1])
+        self.slots[layer].append(e)
+        for l in {layer, victim[0]}:
+            self.coldest[l] = self._coldest(l)
 
     def describe(self):
         return {"policy": self.name, "half_life_calls": self.half_life, "admit_margin": self.margin}

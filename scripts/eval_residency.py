@@ -32,7 +32,42 @@ sys.path.insert(0, str(ROOT))
 INSTRUCT = ROOT / "results" / "reference" / "mixtral-8x7b" / "expert-popularity" / "instruct"
 
 
-def run_point(overrides: list[str]) -> dict:
+class PlannerClock:
+    """Times, per layer call of the simulated runs, the planner (unmemoised: the simulator reuses a plan for the
+    same counts and resident set, the engine plans every call) and the residency step (ExpertCache.step), on
+    this host's CPU."""
+
+    def __init__(self):
+        from fiddler.residency import ExpertCache
+        from fiddler.sim.fiddler_policy import FiddlerSimPolicy
+
+        self.calls = self.plan_s = self.step_s = 0.0
+        clock, plan, step = self, FiddlerSimPolicy._plan, ExpertCache.step
+
+        def timed_plan(policy, layer, counts):
+            t = time.perf_counter()
+            policy.planner(list(counts), policy.cache.resident[layer], policy.lm)
+            clock.plan_s += time.perf_counter() - t
+            clock.calls += 1
+            return plan(policy, layer, counts)
+
+        def timed_step(cache, *a, **kw):
+            t = time.perf_counter()
+            out = step(cache, *a, **kw)
+            clock.step_s += time.perf_counter() - t
+            return out
+
+        FiddlerSimPolicy._plan, ExpertCache.step = timed_plan, timed_step
+        self._undo = lambda: (setattr(FiddlerSimPolicy, "_plan", plan), setattr(ExpertCache, "step", step))
+
+    def take(self) -> dict:
+        out = {"layer_calls": int(self.calls), "planner_us": 1e6 * self.plan_s / max(self.calls, 1),
+               "residency_step_us": 1e6 * self.step_s / max(self.calls, 1)}
+        self.calls = self.plan_s = self.step_s = 0.0
+        return out
+
+
+def run_point(overrides: list[str], clock: PlannerClock | None = None) -> dict:
     """One simulated run through the harness: the record's decode tok/s, hit rate and residency stats."""
     from hydra import compose, initialize_config_dir
 
@@ -47,7 +82,8 @@ def run_point(overrides: list[str]) -> dict:
     if rec["status"] != "ok":
         raise RuntimeError(f"{overrides}: {rec['status']}: {rec.get('reason')}")
     ex = rec["stats"]["executor"]
-    return {"decode_tok_s": rec["metrics"]["decode_tok_s"], "ttft_s": rec["stats"]["ttft_s"],
+    timing = clock.take() if clock is not None else {}
+    return {**timing, "decode_tok_s": rec["metrics"]["decode_tok_s"], "ttft_s": rec["stats"]["ttft_s"],
             "hit_rate": ex["gpu_hit_rate"], "residency": ex.get("residency"),
             "h2d_gb": ex["bytes_h2d_weights"] / 1e9}
 
@@ -65,8 +101,11 @@ def main(argv=None) -> int:
     ap.add_argument("--same-only", action="store_true", help="only the no-shift pairs")
     ap.add_argument("--limit", type=int, default=0, help="first N pairs only (a quick look)")
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
+    ap.add_argument("--time-planner", action="store_true", help="time the planner and the residency step per "
+                                                                 "layer call (this host's CPU)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    clock = PlannerClock() if a.time_planner else None
 
     subjects = sorted(p.stem for p in a.profiles.glob("*.json"))
     pairs = [(s, s) for s in subjects] if a.same_only else list(itertools.permutations(subjects, 2))
@@ -83,7 +122,7 @@ def main(argv=None) -> int:
                     "oracle": [f"system.popularity_profile={a.profiles / route}.json"],
                     **{p: [f"system.popularity_profile={a.profiles / place}.json", f"system.residency={p}"]
                        for p in a.policies}}
-            res = {name: run_point(common + ov) for name, ov in runs.items()}
+            res = {name: run_point(common + ov, clock) for name, ov in runs.items()}
             gap = res["oracle"]["decode_tok_s"] - res["static"]["decode_tok_s"]
             for name, r in res.items():
                 row = {"env": env, "place": place, "route": route, "policy": name, **r,
@@ -100,7 +139,9 @@ def main(argv=None) -> int:
 
 
 def summarise(rows: list[dict], a) -> dict:
-    out = {"model": a.model, "profiles": str(a.profiles.relative_to(ROOT) if a.profiles.is_relative_to(ROOT) else a.profiles),
+    from fiddler.hardware import cpu_name
+
+    out = {"host_cpu": cpu_name() if a.time_planner else None, "model": a.model, "profiles": str(a.profiles.relative_to(ROOT) if a.profiles.is_relative_to(ROOT) else a.profiles),
            "reuse": a.reuse, "input_len": a.input_len, "output_len": a.output_len, "batch": a.batch,
            "numbers": "simulated (mode=simulate, the environment's hardware spec)", "by_env": {}}
     for env in a.envs:
@@ -117,6 +158,9 @@ def summarise(rows: list[dict], a) -> dict:
                       "pairs_with_a_gap": len(closed),
                       "min_vs_static": min(r["vs_static"] for r in rs),
                       "median_vs_static": statistics.median(r["vs_static"] for r in rs)}
+            if "planner_us" in rs[0]:
+                e[pol]["planner_us_per_layer_call"] = statistics.median(r["planner_us"] for r in rs)
+                e[pol]["residency_step_us_per_layer_call"] = statistics.median(r["residency_step_us"] for r in rs)
         out["by_env"][env] = e
     return out
 

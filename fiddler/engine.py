@@ -265,11 +265,9 @@ class Engine:
         cuda_cap = gpu.apply_cap()  # on CUDA the budget holds: the caching allocator cannot grow past it
         # Dense parts that do not fit the GPU budget stay on the CPU, whole layers at a time (-ngl style);
         # the executor's placement makes the same decision from the same function.
-        executor = executor or FiddlerPolicy()
         try:
             dense = dense_placement(cfg, dtype, gpu.budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch,
-                                    quant=quant, overhead=gpu.overhead_bytes(),
-                                    fill_buffer=getattr(executor, "fill_buffer", False))
+                                    quant=quant, overhead=gpu.overhead_bytes())
         except ValueError:  # not even the fixed part fits: the executor's own sizing decides (and explains)
             dense = DensePlacement((True,) * cfg.num_layers)
         cpu = torch.device("cpu")
@@ -281,7 +279,7 @@ class Engine:
             attn_blocks, quant_info = _quantize_weights(path, cfg, weights, quant, quant_cache, gguf)
         ctx = BuildContext(cfg, dtype, gpu, max_seq_len=max_seq_len, max_batch=max_batch, cpu_threads=cpu_threads,
                            seed=seed, quant=quant)
-        ex = executor(ctx, weights.experts)
+        ex = (executor or FiddlerPolicy())(ctx, weights.experts)
         model = MoETransformer(cfg, weights, ex, max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype,
                                device=gpu.device, layer_devices=layer_devices,
                                gpu_layers=dense.gpu_layers if gpu.has_gpu else None)

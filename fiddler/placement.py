@@ -99,25 +99,16 @@ class DensePlacement:
         return [i for i, g in enumerate(self.gpu_layers) if not g]
 
 
-def _fill_buffer(config, dtype: torch.dtype, quant: str | None, fill_buffer: bool) -> dict[str, int]:
-    """An adaptive resident set (fiddler.residency) copies one expert at a time into a buffer like a copy
-    buffer's before it takes a slot."""
-    return {"fill_buffer": int(config.expert_bytes(dtype, quant))} if fill_buffer else {}
-
-
-def _fixed_reservation(config, dtype, max_seq_len, max_batch, quant=None, overhead=None,
-                       fill_buffer=False) -> dict[str, int]:
+def _fixed_reservation(config, dtype, max_seq_len, max_batch, quant=None, overhead=None) -> dict[str, int]:
     act = activation_bytes(config, dtype, max_seq_len, max_batch)
     return {"embeddings_and_head": int(config.embedding_params() * dtype.itemsize),
             "expert_copy_buffers": _copy_buffers(config, dtype, quant),
-            **_fill_buffer(config, dtype, quant, fill_buffer),
             "unpack_scratch": _unpack_scratch(config, dtype),
             "activations": int(sum(act.values())), **(overhead or {})}
 
 
 def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: int,
-                    max_batch: int, quant: str | None = None, overhead: dict[str, int] | None = None,
-                    fill_buffer: bool = False) -> DensePlacement:
+                    max_batch: int, quant: str | None = None, overhead: dict[str, int] | None = None) -> DensePlacement:
     """Every layer on the GPU when the whole reservation fits the budget (or there is no GPU: then the
     question does not arise and everything is on the one device); else embeddings/lm_head, copy buffers
     and activations first, then whole layers from the last one backwards while they fit (llama.cpp's
@@ -125,7 +116,7 @@ def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max
     L = config.num_layers
     if budget_bytes is None:
         return DensePlacement((True,) * L)
-    fixed = _fixed_reservation(config, dtype, max_seq_len, max_batch, quant, overhead, fill_buffer)
+    fixed = _fixed_reservation(config, dtype, max_seq_len, max_batch, quant, overhead)
     per_layer = layer_dense_bytes(config, dtype, max_seq_len, max_batch, quant)
     avail = budget_bytes - sum(fixed.values())
     if avail >= sum(per_layer):
@@ -147,12 +138,11 @@ def dense_placement(config, dtype: torch.dtype, budget_bytes: int | None, *, max
 
 def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int,
                 gpu_layers: Sequence[bool] | None = None, quant: str | None = None,
-                overhead: dict[str, int] | None = None, fill_buffer: bool = False) -> dict[str, int]:
+                overhead: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes the GPU needs before any expert is made resident, by component. `gpu_layers` (default: all):
     the layers whose dense part and KV cache are on the GPU side (see dense_placement). quant: experts and
     attention projections as llama.cpp blocks (fiddler.quant). overhead: what the device needs besides
-    tensors (GpuSide.overhead_bytes(): the CUDA context and cuBLAS workspace on CUDA). fill_buffer: the
-    resident set adapts (fiddler.residency), one more expert buffer."""
+    tensors (GpuSide.overhead_bytes(): the CUDA context and cuBLAS workspace on CUDA)."""
     act = activation_bytes(config, dtype, max_seq_len, max_batch)
     if gpu_layers is None or all(gpu_layers):
         weights = int(config.non_expert_bytes(dtype, quant))
@@ -166,7 +156,6 @@ def reservation(config, dtype: torch.dtype, max_seq_len: int, max_batch: int,
         "non_expert_weights": int(weights),
         "kv_cache": int(kv),
         "expert_copy_buffers": _copy_buffers(config, dtype, quant),
-        **_fill_buffer(config, dtype, quant, fill_buffer),
         "unpack_scratch": _unpack_scratch(config, dtype),
         "activations": int(sum(act.values())),
         **(overhead or {}),
@@ -232,23 +221,23 @@ def _mask_from_pairs(L: int, E: int, pairs) -> list[list[bool]]:
 def place(config, dtype: torch.dtype, budget_bytes: int | None, *, max_seq_len: int, max_batch: int,
           strategy: str = "popularity", popularity: Popularity | None = None, seed: int = 0,
           fraction: float | None = None, mask: Sequence[Sequence[bool]] | None = None,
-          quant: str | None = None, overhead: dict[str, int] | None = None, fill_buffer: bool = False) -> Placement:
+          quant: str | None = None, overhead: dict[str, int] | None = None) -> Placement:
     """Choose resident experts.
 
     strategy: "popularity" (most popular pairs first, as many as fit), "random" (seeded, as many as
     fit), "fraction" (the `fraction` most popular pairs, rounded down; must fit when a budget is given),
     "mask" (exactly `mask`; must fit when a budget is given). budget_bytes=None means no GPU:
     nothing is resident, whatever the strategy. quant: experts are held as llama.cpp blocks
-    (fiddler.quant), so about 2x (q8_0) / 3.6x (q4_0) more of them fit. overhead, fill_buffer: see `reservation`.
+    (fiddler.quant), so about 2x (q8_0) / 3.6x (q4_0) more of them fit. overhead: see `reservation`.
     """
     L, E = config.num_moe_layers, config.expert_slots
     eb = int(config.expert_bytes(dtype, quant))
     if budget_bytes is None:
         return Placement([[False] * E for _ in range(L)], "none (no GPU)", eb, None, {}, None)
     dense = dense_placement(config, dtype, budget_bytes, max_seq_len=max_seq_len, max_batch=max_batch, quant=quant,
-                            overhead=overhead, fill_buffer=fill_buffer)
+                            overhead=overhead)
     gpu_layers = None if dense.all_on_gpu else dense.gpu_layers
-    reserved = reservation(config, dtype, max_seq_len, max_batch, gpu_layers, quant, overhead, fill_buffer)
+    reserved = reservation(config, dtype, max_seq_len, max_batch, gpu_layers, quant, overhead)
     need = sum(reserved.values())
     if budget_bytes < need:  # cannot happen after dense_placement; kept as the invariant's check
         parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in reserved.items())

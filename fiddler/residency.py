@@ -12,9 +12,12 @@ predicted CPU time; with no CPU expert, its makespan). The layer's fill chunk is
 planned and sized to that window, so a fill never makes a layer slower than its plan by the planner's own
 prediction; a fill that needs more idle time than one layer has goes on over later layers (of any layer: the
 copy engine is one). When the last byte is in, the policy is asked again (the routing may have moved
-on) and the buffer is installed into the slot of the expert it evicts. One fill at a time: the copy engine copies
-one thing at a time anyway, and a fill holds one buffer of budget (fiddler.placement.reservation's
-`fill_buffer`), not a second slot. Torch-free, so the simulator and the harness import it cheaply.
+on) and the buffer is installed into the slot of the expert it evicts, which stays resident until then.
+
+One fill at a time, into the last of the copy buffers (placement.COPY_BUFFERS): the copy engine copies one thing
+at a time anyway, and a layer that copies no expert in leaves the copy buffers idle, so a fill costs no budget;
+a layer whose plan needs the last buffer (COPY_BUFFERS kind-b copies or more) overwrites it, and the fill in
+flight starts again. Torch-free, so the simulator and the harness import it cheaply.
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
 POLICIES = ("static", "lru", "lfu")
 # The constants below were chosen on the base model's profiles (results/reference/mixtral-8x7b/expert-popularity/
 # original: place from one subject, route from another, mode=simulate); the instruct profiles are the evaluation's.
@@ -273,6 +275,7 @@ class CacheStats:
     fills_started: int = 0
     fills: int = 0  # installed (each one an eviction)
     abandoned: int = 0  # copied whole, then no longer worth a slot
+    restarted: int = 0  # a plan's copies took the buffer mid-fill
     fill_bytes: int = 0
     by_layer: list[int] = field(default_factory=list)  # fills per layer
 
@@ -283,7 +286,7 @@ class CacheStats:
     def to_dict(self) -> dict[str, Any]:
         return {"hits": self.hits, "routed": self.routed, "hit_rate": self.hit_rate,
                 "fills_started": self.fills_started, "fills": self.fills, "evictions": self.fills,
-                "abandoned": self.abandoned, "fill_bytes": self.fill_bytes}
+                "abandoned": self.abandoned, "restarted": self.restarted, "fill_bytes": self.fill_bytes}
 
 
 class ExpertCache:
@@ -312,9 +315,9 @@ class ExpertCache:
         where the plan copies experts in (kind b), else until the CPU queue's results come back (its predicted
         CPU time), or the whole makespan where no expert runs on the CPU. Without a latency model, one expert's
         copy per call (the planner prices nothing then, and a fill must still finish)."""
-        from .planner import COPY, CPU  # torch-free
+        from .planner import COPY, CPU  # at call time: the planner imports torch
 
-        if plan.experts(COPY):
+        if COPY in plan.decisions:
             return 0.0
         if lm is None:
             return float("inf")
@@ -338,6 +341,12 @@ class ExpertCache:
         if self.fill is None:
             return []
         f, out = self.fill, []
+        from .placement import COPY_BUFFERS
+        from .planner import COPY
+
+        if f.done and plan.decisions.count(COPY) >= COPY_BUFFERS:  # the copy pipeline takes the fill's buffer
+            f.done = 0
+            st.restarted += 1
         slack = self.copy_slack(plan, lm)
         if slack > 0:
             t = lm.transfer() if lm is not None else 0.0

@@ -43,7 +43,7 @@ def run(overrides: list[str], run_dir: Path, index: Path) -> dict:
 
 
 def budget_gb(model: str, fraction: float, max_seq_len: int) -> float:
-    """GPU budget (GiB) that holds the reservation (with a fill buffer) and `fraction` of the experts."""
+    """GPU budget (GiB) that holds the reservation and `fraction` of the experts."""
     import torch
 
     from fiddler.config import MoEConfig
@@ -52,7 +52,7 @@ def budget_gb(model: str, fraction: float, max_seq_len: int) -> float:
     from tests.test_harness import cfg_of
 
     cfg = MoEConfig.from_pretrained(resolve_model_path(prepare(cfg_of(f"model={model}"))[0]))
-    need = sum(reservation(cfg, torch.bfloat16, max_seq_len, 1, fill_buffer=True).values())
+    need = sum(reservation(cfg, torch.bfloat16, max_seq_len, 1).values())
     experts = int(fraction * cfg.num_moe_layers * cfg.expert_slots)
     return (need + experts * cfg.expert_bytes(torch.bfloat16) + (1 << 20)) / 2**30
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fiddler.config import MoEConfig
 from fiddler.executors import GpuSide, build_executor
 from fiddler.latency import LatencyModel
-from fiddler.placement import place, reservation
 from fiddler.planner import COPY, CPU, GPU, LayerPlan
 from fiddler.residency import (Chunk, DecayedLFUPolicy, ExpertCache, Install, LRUPolicy, ResidencyPolicy,
                                make_policy)
 from tests.test_executor import BIG, CFG, make_experts, reference, routing
 
 HOST = 1000  # bytes of one host copy in the mechanism tests
+MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)  # decode rows run on the CPU
 LM = LatencyModel.manual(cpu=(1e-3, 0.0), gpu=(1e-4, 0.0), transfer=4e-3)  # a copy takes 4 CPU experts' time
 
 
@@ -151,21 +150,33 @@ def test_a_fill_no_longer_worth_a_slot_is_abandoned():
     assert cache.stats.abandoned == 1 and cache.stats.fills == 0 and cache.resident == res
 
 
-def test_the_budget_reserves_one_fill_buffer():
-    cfg = MoEConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_experts=8, top_k=2, num_heads=4,
-                    num_kv_heads=2, head_dim=16, vocab_size=128)
-    static = reservation(cfg, torch.float32, 64, 1)
-    adaptive = reservation(cfg, torch.float32, 64, 1, fill_buffer=True)
-    assert adaptive == {**static, "fill_buffer": cfg.expert_bytes(torch.float32)}
-    budget = sum(adaptive.values()) + 4 * cfg.expert_bytes(torch.float32)
-    assert place(cfg, torch.float32, budget, max_seq_len=64, max_batch=1).num_resident == 5
-    assert place(cfg, torch.float32, budget, max_seq_len=64, max_batch=1, fill_buffer=True).num_resident == 4
+def test_a_plan_that_needs_the_last_copy_buffer_restarts_the_fill():
+    cache = eager_cache([[True, False, False, False], [True, False, False, False]])
+    counts = [0, 1, 0, 0]
+    cache.step(0, counts, plan(counts, [None, CPU, None, None]), LM)  # a quarter in
+    assert cache.fill.done == 250
+    one = [0, 5, 5, 0]
+    assert cache.step(1, one, plan(one, [None, COPY, CPU, None]), LM) == []  # one copy: buffer 0, the fill waits
+    assert cache.fill.done == 250 and cache.stats.restarted == 0
+    two = [0, 5, 5, 0]
+    cache.step(1, two, plan(two, [None, COPY, COPY, None]), LM)  # both buffers: the fill's bytes are gone
+    assert cache.fill.done == 0 and cache.stats.restarted == 1
+
+
+def test_an_adaptive_policy_costs_no_budget():
+    """A fill goes through the last copy buffer: the reservation and the placement are the static one's."""
+    ex_static = build_executor(CFG, make_experts(), gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
+                               placement="fraction:0.25", latency_model=MIX)
+    ex_lfu = build_executor(CFG, make_experts(), gpu=GpuSide.emulated(BIG), max_seq_len=64, max_batch=1,
+                            placement="fraction:0.25", latency_model=MIX, residency="lfu")
+    assert ex_lfu.placement.to_dict() == ex_static.placement.to_dict()
+    assert len(ex_lfu.buffers) == len(ex_static.buffers)
+    # but every expert keeps a host copy (an evicted one must still be somewhere)
+    assert sum(h is not None for row in ex_lfu.host for h in row) == CFG.num_layers * CFG.num_experts
+    assert sum(h is not None for row in ex_static.host for h in row) == 12
 
 
 # ----------------------------------------------------------------------------------------- executor
-
-MIX = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1e-3)  # decode rows run on the CPU
-
 
 def run_executor(dtype, quant, residency, steps=24):
     experts = make_experts(dtype=dtype)
@@ -265,8 +276,7 @@ def test_the_harness_key_reaches_the_simulator(tmp_path):
     assert recs["static"]["stats"]["executor"]["residency"] == {"policy": "static"}
     lfu = recs["lfu"]["stats"]["executor"]["residency"]
     assert lfu["policy"] == "lfu" and lfu["routed"] == recs["lfu"]["stats"]["executor"]["routed_tokens"]
-    assert recs["lfu"]["system_info"]["placement"]["reserved_bytes"]["fill_buffer"] > 0
-    assert "fill_buffer" not in recs["static"]["system_info"]["placement"]["reserved_bytes"]
+    assert recs["lfu"]["system_info"]["placement"] == recs["static"]["system_info"]["placement"]
 
 
 def test_a_bad_policy_name_is_refused_at_start():

@@ -116,8 +116,6 @@ class BuildContext:
 
 class ExecutorFactory(Protocol):
     """Builds an executor from the engine's context and the experts ([layer][expert], host memory). It may
-    clear the list's entries as it takes them over, so host memory is freed expert by expert. A factory whose
-    executor reserves a fill buffer on the GPU side (fiddler.residency) says so with `fill_buffer = True`, so
-    that the engine's dense placement counts it as the executor's does."""
+    clear the list's entries as it takes them over, so host memory is freed expert by expert."""
 
     def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights | None]]) -> ExpertExecutor: ...

@@ -11,9 +11,10 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
 
 Each expert has one host copy: the packed one the CPU kernel runs from (kind c), which kind b copies as
 it is and unpacks on the GPU side (fiddler.kernels.layout); a resident expert has only its GPU-side copy,
-unless the resident set adapts (fiddler.residency: an evicted expert must still be somewhere). Then, after a
-layer call, the cache's fill goes on in the copy engine's predicted idle time (into a fill buffer beside the
-copy buffers), and a finished fill is unpacked into the evicted expert's slot.
+unless the resident set adapts (fiddler.residency: an evicted expert must still be somewhere). Then, as a
+layer call is planned, the cache's fill goes on in the copy engine's predicted idle time (into the last copy
+buffer, idle in a call that copies no expert in), and a finished fill is unpacked into the evicted expert's
+slot at the end of the call.
 
 Without CUDA the "GPU side" is the CPU device (GpuSide "emulated"), so placement, plans, buffer copies and
 combination run the same code (the copy is a real memcpy); the two queues then either split the cores
@@ -188,7 +189,6 @@ class FiddlerExecutor(ExpertExecutor):
         self.cache = ExpertCache(placement.resident, make_policy(residency if gpu.has_gpu else "static",
                                                                  placement.resident, shares),
                                  self._host_expert_bytes())
-        self.fill_buffer: list[torch.Tensor] = []  # where a fill's bytes land (fiddler.residency)
         self.buffers: list[list[torch.Tensor]] = []  # copy-in double buffer (kind b), in the reservation
         self.scratch: ExpertWeights | None = None  # the dense expert bf16 packed bytes are unpacked into
         self._check_host_memory(experts, take_ownership)
@@ -204,7 +204,7 @@ class FiddlerExecutor(ExpertExecutor):
             self.kernel.quant.tune_amx(self._host_copies(), threads=threads.all)
         if gpu.has_gpu and placement.num_resident < L * E:
             self._allocate_buffers()
-        self.copy_in = CopyIn(self.device, COPY_BUFFERS + 1)  # the last slot: the fill buffer
+        self.copy_in = CopyIn(self.device, COPY_BUFFERS)
         self.readback = Readback(self.device, gpu.has_gpu)  # a layer call's one device-to-host wait
         self._off_gpu = [not all(r) for r in placement.resident]  # layers with experts the CPU may run
         self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
@@ -229,7 +229,7 @@ class FiddlerExecutor(ExpertExecutor):
         if host_side:
             need["resident_experts"] = resident * self.expert_bytes
             if resident < L * E:
-                need["buffers"] = self._buffer_bytes() + (self._host_expert_bytes() if self.cache.adaptive else 0)
+                need["buffers"] = self._buffer_bytes()
         given = sum(hostmem.nbytes(e.w1, e.w3, e.w2) for layer in experts for e in layer if e is not None)
         released = given - max(self._host_expert_bytes(), self.expert_bytes) if take_ownership else 0
         hostmem.check_fits(f"{type(self).__name__} ({L} x {E} experts, {resident} resident)", need, released)
@@ -304,12 +304,10 @@ class FiddlerExecutor(ExpertExecutor):
     def _allocate_buffers(self) -> None:
         """COPY_BUFFERS slots shaped like a host copy, on the GPU side, and the unpack scratch (bf16 packed)."""
         h = self._host_copies()[0]
-        self.buffers = [[torch.empty_like(t, device=self.device) for t in self._host_tensors(h)]
-                        for _ in range(COPY_BUFFERS)]
+        self.buffers = [[torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in self._host_tensors(h)]
+                        for _ in range(COPY_BUFFERS)]  # contiguous: a fill copies byte ranges into the last one
         if self.packed_host and self.quant is None:
             self.scratch = empty_expert(self.config, self.dtype, self.device)
-        if self.cache.adaptive:
-            self.fill_buffer = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in self._host_tensors(h)]
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes this executor holds in host memory: expert copies (on an emulated GPU the resident ones too)
@@ -318,7 +316,7 @@ class FiddlerExecutor(ExpertExecutor):
         buffers = 0
         if not self.cuda:
             experts += sum(hostmem.nbytes(r.w1, r.w3, r.w2) for row in self.resident for r in row if r is not None)
-            buffers = sum(hostmem.nbytes(*b) for b in [*self.buffers, self.fill_buffer] if b)
+            buffers = sum(hostmem.nbytes(*b) for b in self.buffers)
             if self.scratch is not None:
                 buffers += hostmem.nbytes(self.scratch.w1, self.scratch.w3, self.scratch.w2)
         return {"experts": experts, "buffers": buffers}
@@ -519,7 +517,7 @@ class FiddlerExecutor(ExpertExecutor):
         for a in self.cache.step(layer, counts, plan, self.latency_model):
             if isinstance(a, Chunk):
                 srcs = self._host_tensors(self._holding(a.layer, a.expert))
-                self.copy_in.copy(COPY_BUFFERS, *_byte_range(self.fill_buffer, srcs, a.start, a.end))
+                self.copy_in.copy(FILL, *_byte_range(self.buffers[FILL], srcs, a.start, a.end))
                 self.stats.bytes_h2d_weights += a.end - a.start
             else:
                 installs.append(a)
@@ -532,9 +530,9 @@ class FiddlerExecutor(ExpertExecutor):
         into the evicted expert's slot, which becomes the new expert's."""
         for a in installs:
             slot = self.resident[a.victim_layer][a.victim]
-            self.copy_in.acquire(COPY_BUFFERS)
-            self._unpack(self.fill_buffer, into=slot)
-            self.copy_in.release(COPY_BUFFERS)
+            self.copy_in.acquire(FILL)
+            self._unpack(self.buffers[FILL], into=slot)
+            self.copy_in.release(FILL)
             self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
         return out
 
@@ -678,6 +676,9 @@ class FiddlerExecutor(ExpertExecutor):
         return lm
 
 
+FILL = COPY_BUFFERS - 1  # the copy buffer a fill of the resident set uses (fiddler.residency)
+
+
 def _byte_range(dsts: list[torch.Tensor], srcs: list[torch.Tensor], start: int, end: int):
     """Bytes [start, end) of `srcs` laid end to end (each in its logical order), and the same bytes of `dsts`
     (contiguous, shaped alike): (dst pieces, src pieces) for CopyIn.copy."""
@@ -714,15 +715,14 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
     quant: None, or "q8_0" / "q4_0" when `experts` hold llama.cpp block bytes (fiddler.quant): the CPU
       kernel computes on them, the GPU side stores/copies them and dequantizes, placement counts them.
     residency: how the resident set changes while it runs (fiddler.residency: "static", "lru", "lfu"); an
-      adaptive one reserves a fill buffer in the budget and seeds itself from `popularity`.
+      adaptive one fills through the last copy buffer and seeds itself from `popularity`.
     """
     quant = fquant.check_quant(quant)
     if dtype is None and quant is not None:
         raise ValueError("build_executor: quantized experts need the model dtype")
     dtype = dtype or experts[0][0].w1.dtype
     pl = place_spec(placement, config, dtype, gpu.budget_bytes, popularity=popularity, max_seq_len=max_seq_len,
-                    max_batch=max_batch, seed=seed, quant=quant, overhead=gpu.overhead_bytes(),
-                    fill_buffer=residency != "static")
+                    max_batch=max_batch, seed=seed, quant=quant, overhead=gpu.overhead_bytes())
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,
@@ -740,11 +740,6 @@ class FiddlerPolicy:
     latency_model: Any = None
     overlap: bool | None = None
     residency: str = "static"
-
-    @property
-    def fill_buffer(self) -> bool:
-        """Whether the executor reserves a fill buffer (the engine sizes its dense placement alike)."""
-        return self.residency != "static"
 
     def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights]]) -> FiddlerExecutor:
         return build_executor(ctx.config, experts, gpu=ctx.gpu, max_seq_len=ctx.max_seq_len,

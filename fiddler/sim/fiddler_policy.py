@@ -53,8 +53,7 @@ class FiddlerSimPolicy(SimPolicy):
         if ctx.has_gpu:
             self.placement = place_spec(self.placement_spec, cfg, ctx.dtype, ctx.gpu_budget_bytes,
                                         popularity=ctx.popularity, max_seq_len=ctx.max_seq_len,
-                                        max_batch=ctx.max_batch, seed=ctx.seed, quant=ctx.quant,
-                                        fill_buffer=self.residency != "static")
+                                        max_batch=ctx.max_batch, seed=ctx.seed, quant=ctx.quant)
         else:
             self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch,
                                    quant=ctx.quant)

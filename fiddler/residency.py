@@ -17,7 +17,12 @@ on) and the buffer is installed into the slot of the expert it evicts, which sta
 One fill at a time, into the last of the copy buffers (placement.COPY_BUFFERS): the copy engine copies one thing
 at a time anyway, and a layer that copies no expert in leaves the copy buffers idle, so a fill costs no budget;
 a layer whose plan needs the last buffer (COPY_BUFFERS kind-b copies or more) overwrites it, and the fill in
-flight starts again. Torch-free, so the simulator and the harness import it cheaply.
+flight starts again.
+
+A kind-b copy may become a fill for nothing but an unpack: an expert the plan copies in is on the GPU side
+already, so after it has run its weights can go into an evicted slot (a promotion), where the plan's GPU queue
+leaves the GPU the time for it by the planner's prediction (makespan less GPU time; an unpack costs two
+one-token GPU runs of the expert, each a read of its weights). Torch-free, so the simulator and the harness import it cheaply.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ ADMIT_MARGIN = 1.1
 #: how many calls' worth of one token each the placement profile counts as (0: the decayed count's steady state):
 #: little, since the routing seen is the better evidence once there is some
 PRIOR_CALLS = 8
+#: LFU evicts within the layer it fills. Across layers the counts do not compare within a forward pass: the
+#: layers after the one being filled have not seen this step's tokens yet (a prefill's are many)
+LFU_PER_LAYER = True
 #: the LRU's admission filter forgets fast (recency is the LRU's point) and admits only a clear winner
 LRU_ADMISSION_HALF_LIFE = 16
 LRU_ADMIT_MARGIN = 1.25
@@ -120,6 +128,10 @@ class ResidencyPolicy:
     def swapped(self, layer: int, e: int, victim: tuple[int, int]) -> None:
         pass
 
+    def rank(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """`experts` (copied in by this call's plan), the ones most worth a slot first."""
+        return []
+
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name}
 
@@ -163,6 +175,9 @@ class LRUPolicy(ResidencyPolicy):
     def admit(self, layer, e, victim):
         return self.admission.admit(layer, e, victim)
 
+    def rank(self, layer, experts):
+        return self.admission.rank(layer, experts)
+
     def swapped(self, layer, e, victim):
         self.admission.swapped(layer, e, victim)
         self.lru[victim[0]].pop(victim[1], None)
@@ -171,23 +186,23 @@ class LRUPolicy(ResidencyPolicy):
 
 class DecayedLFUPolicy(ResidencyPolicy):
     """Decayed frequency: each expert's count of routed tokens, halved every `half_life` calls of its layer,
-    seeded with the placement profile's shares at the steady state of one token per call. A fill goes to the
-    layer's non-resident expert with the highest count, into the slot of the resident one with the lowest of
-    any layer (every layer sees the same tokens, so the counts compare across layers, and where the routing has
-    moved the slots move between layers too, as placement itself spreads them), when it beats it by
-    ADMIT_MARGIN."""
+    seeded with the placement profile's shares as PRIOR_CALLS calls' worth. A fill goes to the layer's
+    non-resident expert with the highest count, into the slot of the layer's resident one with the lowest,
+    when it beats it by ADMIT_MARGIN. per_layer=False takes the lowest of any layer instead (see
+    LFU_PER_LAYER for why that is not the default)."""
 
     name = "lfu"
     adaptive = True
 
     def __init__(self, resident, shares, half_life: float | None = None, margin: float | None = None,
-                 prior_calls: float | None = None):
+                 prior_calls: float | None = None, per_layer: bool | None = None):
         super().__init__(resident, shares)
         half_life = DEFAULT_HALF_LIFE if half_life is None else half_life
         if half_life <= 0:
             raise ValueError(f"residency half-life must be > 0 calls, got {half_life}")
         self.half_life = float(half_life)
         self.margin = float(ADMIT_MARGIN if margin is None else margin)
+        self.per_layer = LFU_PER_LAYER if per_layer is None else bool(per_layer)
         self.decay = 0.5 ** (1.0 / self.half_life)
         # the profile counts as this many calls of one token each (default: the steady state, 1 / (1 - decay))
         self.prior_calls = float(PRIOR_CALLS if prior_calls is None else prior_calls) or 1.0 / (1.0 - self.decay)
@@ -213,11 +228,15 @@ class DecayedLFUPolicy(ResidencyPolicy):
         return max(out, key=lambda e: (sc[e], -e)) if out else None
 
     def victim(self, layer, resident):
-        c = min((c for c in self.coldest if c is not None), default=None)
+        c = self.coldest[layer] if self.per_layer else min((c for c in self.coldest if c is not None), default=None)
         return None if c is None else (c[1], c[2])
 
     def admit(self, layer, e, victim):
         return self.score[layer][e] > self.score[victim[0]][victim[1]] * self.margin
+
+    def rank(self, layer, experts):
+        sc = self.score[layer]
+        return sorted(experts, key=lambda e: (-sc[e], e))
 
     def swapped(self, layer, e, victim):
         self.slots[victim[0]].remove(victim[1])
@@ -262,6 +281,16 @@ class Install:
 
 
 @dataclass
+class Promote:
+    """Expert (layer, expert), copied in by this call's plan, goes into the slot of expert `victim` of layer
+    `victim_layer` once it has run (its weights are on the GPU side already)."""
+    layer: int
+    expert: int
+    victim_layer: int
+    victim: int
+
+
+@dataclass
 class _Fill:
     layer: int
     expert: int
@@ -276,6 +305,7 @@ class CacheStats:
     fills: int = 0  # installed (each one an eviction)
     abandoned: int = 0  # copied whole, then no longer worth a slot
     restarted: int = 0  # a plan's copies took the buffer mid-fill
+    promoted: int = 0  # kind-b copies kept in a slot (each one an eviction)
     fill_bytes: int = 0
     by_layer: list[int] = field(default_factory=list)  # fills per layer
 
@@ -285,8 +315,9 @@ class CacheStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {"hits": self.hits, "routed": self.routed, "hit_rate": self.hit_rate,
-                "fills_started": self.fills_started, "fills": self.fills, "evictions": self.fills,
-                "abandoned": self.abandoned, "restarted": self.restarted, "fill_bytes": self.fill_bytes}
+                "fills_started": self.fills_started, "fills": self.fills, "promoted": self.promoted,
+                "evictions": self.fills + self.promoted, "abandoned": self.abandoned, "restarted": self.restarted,
+                "fill_bytes": self.fill_bytes}
 
 
 class ExpertCache:
@@ -323,7 +354,34 @@ class ExpertCache:
             return float("inf")
         return plan.cpu_time if plan.experts(CPU) else plan.makespan
 
-    def step(self, layer: int, counts: Sequence[int], plan, lm) -> list[Chunk | Install]:
+    def _promote(self, layer: int, plan, lm) -> list[Promote]:
+        """Kind-b experts of this call kept in an evicted slot, while the GPU has the time (see the module)."""
+        from .planner import COPY
+
+        copied = plan.experts(COPY)
+        if not copied:
+            return []
+        pol, out = self.policy, []
+        cost = 2 * lm.gpu(1) if lm is not None else 0.0  # read the buffer, write the slot: two expert reads
+        room = plan.makespan - plan.gpu_time if lm is not None else float("inf")
+        for e in pol.rank(layer, copied):
+            if room < cost:
+                break
+            v = pol.victim(layer, self.resident)
+            if v is None or not pol.admit(layer, e, v):
+                break  # ranked best first: the rest are worth less
+            self.resident[v[0]][v[1]], self.resident[layer][e] = False, True
+            pol.swapped(layer, e, v)
+            if self.fill is not None and (self.fill.layer, self.fill.expert) == (layer, e):
+                self.fill = None  # promoted while it was being filled
+                self.stats.abandoned += 1
+            self.stats.promoted += 1
+            self.stats.by_layer[layer] += 1
+            room -= cost
+            out.append(Promote(layer, e, *v))
+        return out
+
+    def step(self, layer: int, counts: Sequence[int], plan, lm) -> list[Chunk | Install | Promote]:
         pol = self.policy
         if not pol.adaptive:  # nothing to learn or fill (the executor's gpu_hit_rate counts its hits)
             return []
@@ -332,6 +390,7 @@ class ExpertCache:
         st.routed += sum(counts)
         st.hits += sum(n for n, r in zip(counts, res) if r)
         pol.observe(layer, counts, res)
+        out: list = self._promote(layer, plan, lm)
         if self.fill is None:
             e = pol.candidate(layer, counts, res)
             v = pol.victim(layer, self.resident) if e is not None else None
@@ -339,8 +398,8 @@ class ExpertCache:
                 self.fill = _Fill(layer, e)
                 st.fills_started += 1
         if self.fill is None:
-            return []
-        f, out = self.fill, []
+            return out
+        f = self.fill
         from .placement import COPY_BUFFERS
         from .planner import COPY
 

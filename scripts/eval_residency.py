@@ -90,7 +90,8 @@ def run_point(overrides: list[str], clock: PlannerClock | None = None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profiles", type=Path, default=INSTRUCT)
+    ap.add_argument("--profiles", type=Path, default=INSTRUCT,
+                    help="a folder of popularity profiles (one per subject), or none: the model's own for both")
     ap.add_argument("--model", default="mixtral_8x7b")
     ap.add_argument("--envs", nargs="+", default=["rtx4090", "rtx3060"])
     ap.add_argument("--policies", nargs="+", default=["lfu", "lru"])
@@ -107,8 +108,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     clock = PlannerClock() if a.time_planner else None
 
-    subjects = sorted(p.stem for p in a.profiles.glob("*.json"))
-    pairs = [(s, s) for s in subjects] if a.same_only else list(itertools.permutations(subjects, 2))
+    if str(a.profiles) == "none":  # the model's own profile (its reference, else uniform) for both: no shift
+        subjects, pairs = [], [(None, None)]
+    else:
+        subjects = sorted(p.stem for p in a.profiles.glob("*.json"))
+        pairs = [(s, s) for s in subjects] if a.same_only else list(itertools.permutations(subjects, 2))
     pairs = pairs[:a.limit] if a.limit else pairs
     workload = ["workload=beam" if a.batch > 1 else "workload=single_batch", f"workload.input_lens=[{a.input_len}]",
                 f"workload.output_lens=[{a.output_len}]", f"workload.beam_widths=[{a.batch}]"]
@@ -116,12 +120,14 @@ def main(argv=None) -> int:
     rows, t0 = [], time.time()
     with open(a.out / "pairs.jsonl", "w") as f:
         for env, (place, route) in itertools.product(a.envs, pairs):
+            def prof(key, subject):
+                return [f"{key}={a.profiles / subject}.json"] if subject else []
+
             common = [f"model={a.model}", f"environment={env}", *workload, f"sim.reuse={a.reuse}",
-                      f"sim.profile={a.profiles / route}.json", "system=fiddler", *a.extra]
-            runs = {"static": [f"system.popularity_profile={a.profiles / place}.json"],
-                    "oracle": [f"system.popularity_profile={a.profiles / route}.json"],
-                    **{p: [f"system.popularity_profile={a.profiles / place}.json", f"system.residency={p}"]
-                       for p in a.policies}}
+                      *prof("sim.profile", route), "system=fiddler", *a.extra]
+            runs = {"static": prof("system.popularity_profile", place),
+                    "oracle": prof("system.popularity_profile", route),
+                    **{p: [*prof("system.popularity_profile", place), f"system.residency={p}"] for p in a.policies}}
             res = {name: run_point(common + ov, clock) for name, ov in runs.items()}
             gap = res["oracle"]["decode_tok_s"] - res["static"]["decode_tok_s"]
             for name, r in res.items():
@@ -141,7 +147,8 @@ def main(argv=None) -> int:
 def summarise(rows: list[dict], a) -> dict:
     from fiddler.hardware import cpu_name
 
-    out = {"host_cpu": cpu_name() if a.time_planner else None, "model": a.model, "profiles": str(a.profiles.relative_to(ROOT) if a.profiles.is_relative_to(ROOT) else a.profiles),
+    out = {"host_cpu": cpu_name() if a.time_planner else None, "model": a.model,
+           "profiles": str(a.profiles.relative_to(ROOT) if a.profiles.is_relative_to(ROOT) else a.profiles),
            "reuse": a.reuse, "input_len": a.input_len, "output_len": a.output_len, "batch": a.batch,
            "numbers": "simulated (mode=simulate, the environment's hardware spec)", "by_env": {}}
     for env in a.envs:

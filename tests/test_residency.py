@@ -9,8 +9,8 @@ import torch
 from fiddler.executors import GpuSide, build_executor
 from fiddler.latency import LatencyModel
 from fiddler.planner import COPY, CPU, GPU, LayerPlan
-from fiddler.residency import (Chunk, DecayedLFUPolicy, ExpertCache, Install, LRUPolicy, ResidencyPolicy,
-                               make_policy)
+from fiddler.residency import (Chunk, DecayedLFUPolicy, ExpertCache, Install, LRUPolicy, Promote,
+                               ResidencyPolicy, make_policy)
 from tests.test_executor import BIG, CFG, make_experts, reference, routing
 
 HOST = 1000  # bytes of one host copy in the mechanism tests
@@ -40,11 +40,11 @@ def test_static_never_fills_and_counts_nothing():
     assert cache.resident == res and cache.stats.routed == 0 and cache.describe() == {"policy": "static"}
 
 
-def test_lfu_learns_a_shift_and_evicts_the_coldest_slot_of_any_layer():
+def test_lfu_across_layers_learns_a_shift_and_evicts_the_coldest_slot_of_any_layer():
     # layer 0 holds expert 0, layer 1 holds expert 0; the routing adds expert 2 of layer 0, and layer 1's
     # expert 0 is never routed: its slot is the coldest
     res, _ = two_layers([True, False, False, False], [True, False, False, False])
-    pol = DecayedLFUPolicy(res, [[1.0, 0.4, 0.3, 0.3]] * 2, half_life=4, margin=1.1, prior_calls=2)
+    pol = DecayedLFUPolicy(res, [[1.0, 0.4, 0.3, 0.3]] * 2, half_life=4, margin=1.1, prior_calls=2, per_layer=False)
     cache = ExpertCache(res, pol, HOST)
     actions = []
     for _ in range(6):
@@ -57,6 +57,33 @@ def test_lfu_learns_a_shift_and_evicts_the_coldest_slot_of_any_layer():
     assert cache.resident[0][2] and not cache.resident[1][0]
     assert sum(map(sum, cache.resident)) == 2  # a fill moves a slot, never adds one
     assert cache.stats.fills == cache.stats.to_dict()["evictions"] >= 1
+
+
+def test_lfu_evicts_within_the_layer_by_default():
+    res, _ = two_layers([True, True, False, False], [True, False, False, False])
+    cache = ExpertCache(res, DecayedLFUPolicy(res, [[1.0, 0.4, 0.3, 0.3]] * 2, half_life=4, prior_calls=2), HOST)
+    installs = []
+    for _ in range(8):
+        counts = [1, 0, 1, 0]
+        installs += [a for a in cache.step(0, counts, plan(counts, [GPU, None, CPU, None]), None)
+                     if isinstance(a, Install)]
+        installs += [a for a in cache.step(1, [0, 1, 0, 0], plan([0, 1, 0, 0], [None, CPU, None, None]), None)
+                     if isinstance(a, Install)]
+    assert Install(0, 2, 0, 1) in installs and Install(1, 1, 1, 0) in installs
+    assert all(a.layer == a.victim_layer for a in installs)
+    assert cache.resident == [[True, False, True, False], [False, True, False, False]]
+
+
+def test_a_copied_in_expert_is_kept_while_the_gpu_has_the_time():
+    res, _ = two_layers([True, False, False, False], [True, False, False, False])
+    cache = ExpertCache(res, DecayedLFUPolicy(res, [[0.1, 5.0, 0.1, 0.1]] * 2, half_life=8), HOST)
+    counts = [0, 20, 0, 0]
+    busy = plan(counts, [None, COPY, None, None])  # the GPU queue is the makespan: no time to keep it
+    assert [a for a in cache.step(0, counts, busy, LM) if isinstance(a, Promote)] == []
+    counts = [0, 1, 20, 0]  # the CPU queue is long: the GPU has time for an unpack
+    actions = cache.step(0, counts, plan(counts, [None, COPY, CPU, None]), LM)
+    assert actions == [Promote(0, 1, 0, 0)] and cache.resident[0] == [False, True, False, False]
+    assert cache.stats.promoted == 1 and cache.stats.to_dict()["evictions"] == 1
 
 
 def test_lfu_does_not_swap_near_ties():
@@ -124,7 +151,7 @@ def test_a_fill_goes_in_the_copy_engines_predicted_idle_time_only():
     assert [c.start for c in chunks] == [0, 250, 500]
     # a call that copies an expert in keeps the copy engine: the fill waits
     pb = plan([5, 5], [GPU, COPY])
-    assert cache.step(1, [5, 5], pb, LM) == []
+    assert [a for a in cache.step(1, [5, 5], pb, LM) if not isinstance(a, Promote)] == []
     last = cache.step(0, counts, p, LM)
     assert [type(a) for a in last] == [Chunk, Install] and last[0].end == HOST
     assert cache.stats.fill_bytes == HOST and cache.stats.fills == 1 and cache.resident[0] == [False, True]
@@ -156,7 +183,8 @@ def test_a_plan_that_needs_the_last_copy_buffer_restarts_the_fill():
     cache.step(0, counts, plan(counts, [None, CPU, None, None]), LM)  # a quarter in
     assert cache.fill.done == 250
     one = [0, 5, 5, 0]
-    assert cache.step(1, one, plan(one, [None, COPY, CPU, None]), LM) == []  # one copy: buffer 0, the fill waits
+    # one copy: buffer 0, the fill waits (the copied-in expert itself may be kept: a promotion, not a fill)
+    assert [a for a in cache.step(1, one, plan(one, [None, COPY, CPU, None]), LM) if not isinstance(a, Promote)] == []
     assert cache.fill.done == 250 and cache.stats.restarted == 0
     two = [0, 5, 5, 0]
     cache.step(1, two, plan(two, [None, COPY, COPY, None]), LM)  # both buffers: the fill's bytes are gone
@@ -202,7 +230,7 @@ def test_executor_fills_exact_fp32(residency):
         for layer, (out, x, idx, w) in enumerate(step):
             assert torch.equal(out, reference(experts[layer], x, idx, w))
     r = ex.stats.residency
-    assert r["policy"] == residency and r["fills"] >= 1 and r["evictions"] == r["fills"]
+    assert r["policy"] == residency and r["evictions"] == r["fills"] + r["promoted"] >= 1
     assert ex.stats.gpu_hit_rate == pytest.approx(r["hit_rate"])
     assert ex.cache.resident != ex.placement.resident  # the set moved
     assert sum(map(sum, ex.cache.resident)) == ex.placement.num_resident
@@ -218,7 +246,7 @@ def test_installed_slots_hold_the_experts_bytes(dtype, quant):
         if load_kernels() is None:
             pytest.skip("the packed host format needs the C++ kernel")
     ex, experts, _ = run_executor(dtype, quant, "lfu", steps=30)
-    assert ex.stats.residency["fills"] >= 1
+    assert ex.stats.residency["fills"] >= 1 and ex.stats.residency["promoted"] >= 1  # both ways into a slot
     for l, row in enumerate(ex.resident):
         for e, slot in enumerate(row):
             assert (slot is not None) == ex.cache.resident[l][e]

@@ -39,7 +39,7 @@ from ..latency import LatencyModel, calibrate
 from ..placement import COPY_BUFFERS, Placement, place_spec
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
-from ..residency import Chunk, ExpertCache, make_policy
+from ..residency import Chunk, ExpertCache, Promote, make_policy
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
@@ -208,6 +208,7 @@ class FiddlerExecutor(ExpertExecutor):
         self.readback = Readback(self.device, gpu.has_gpu)  # a layer call's one device-to-host wait
         self._off_gpu = [not all(r) for r in placement.resident]  # layers with experts the CPU may run
         self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
+        self._promotions: dict[int, Promote] = {}  # this call's copied-in experts that stay (fiddler.residency)
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
         self.reset_stats()
@@ -519,6 +520,8 @@ class FiddlerExecutor(ExpertExecutor):
                 srcs = self._host_tensors(self._holding(a.layer, a.expert))
                 self.copy_in.copy(FILL, *_byte_range(self.buffers[FILL], srcs, a.start, a.end))
                 self.stats.bytes_h2d_weights += a.end - a.start
+            elif isinstance(a, Promote):
+                self._promotions[a.expert] = a  # _gpu_queue keeps it once it has run
             else:
                 installs.append(a)
         self.stats.residency = self.cache.describe()
@@ -529,12 +532,19 @@ class FiddlerExecutor(ExpertExecutor):
         nothing of it, and an evicted expert this call ran is overwritten after it ran): the fill buffer unpacked
         into the evicted expert's slot, which becomes the new expert's."""
         for a in installs:
-            slot = self.resident[a.victim_layer][a.victim]
             self.copy_in.acquire(FILL)
-            self._unpack(self.buffers[FILL], into=slot)
+            self._into_slot(a, self._unpack(self.buffers[FILL], into=self.resident[a.victim_layer][a.victim]))
             self.copy_in.release(FILL)
-            self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
         return out
+
+    def _into_slot(self, a, w: ExpertWeights) -> None:
+        """Weights on the GPU side (a finished fill, or a copied-in expert that has run) into the slot of the expert
+        `a` evicts, which becomes a.expert's."""
+        slot = self.resident[a.victim_layer][a.victim]
+        if w is not slot:
+            for dst, src in zip((slot.w1, slot.w3, slot.w2), (w.w1, w.w3, w.w2)):
+                dst.copy_(src)
+        self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
 
     def _gpu_queue(self, layer: int, plan: LayerPlan, run) -> None:
         """The GPU side's experts of a plan, run(weights, e) each: resident ones, then copied-in ones through the
@@ -547,7 +557,12 @@ class FiddlerExecutor(ExpertExecutor):
             run(self.resident[layer][e], e)
         for i, e in enumerate(copied):
             slot = i % COPY_BUFFERS
-            run(self._copied(slot), e)
+            w = self._copied(slot)
+            run(w, e)
+            if self._promotions:
+                p = self._promotions.pop(e, None)
+                if p is not None:
+                    self._into_slot(p, w)
             if not self.packed_host:
                 self.copy_in.release(slot)
             if i + COPY_BUFFERS < len(copied):

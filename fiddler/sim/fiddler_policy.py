@@ -28,7 +28,7 @@ import numpy as np
 from ..executors.orchestrator import FiddlerStats, LayerStats
 from ..placement import COPY_BUFFERS, Placement, place, place_spec
 from ..planner import COPY, CPU, GPU, get_planner
-from ..residency import Chunk, ExpertCache, Install, make_policy
+from ..residency import Chunk, ExpertCache, Install, Promote, make_policy
 from .clock import Clock
 from .simulator import SimContext, SimPolicy, Step
 
@@ -139,15 +139,18 @@ class FiddlerSimPolicy(SimPolicy):
     def _fill(self, clock: Clock, ctx: SimContext, layer: int, counts: tuple, plan, start: float) -> list:
         """The resident set's step for this layer call (fiddler.residency.ExpertCache), as the executor runs it:
         the fill's chunk on the copy engine as the call is planned (`start`); returns the installs, each with
-        when its copy is in (the executor unpacks them on the GPU after the call's own work)."""
-        copied, installs = start, []
+        when its copy is in (the executor unpacks them on the GPU after the call's own work), and the copied-in
+        experts kept in a slot once they have run (promotions)."""
+        copied, installs, promoted = start, [], set()
         for a in self.cache.step(layer, counts, plan, self.lm):
             if isinstance(a, Chunk):
                 copied = clock.h2d.run(start, ctx.hw.h2d(a.end - a.start))
                 self.st.bytes_h2d_weights += a.end - a.start
             elif isinstance(a, Install):
                 installs.append(copied)
-        return installs
+            elif isinstance(a, Promote):
+                promoted.add(a.expert)
+        return installs, promoted
 
     def layer(self, clock: Clock, ctx: SimContext, step: Step, layer: int, routing, ready: float) -> float:
         hw, costs = ctx.hw, ctx.costs
@@ -157,7 +160,7 @@ class FiddlerSimPolicy(SimPolicy):
         plan = self._plan(layer, counts)
         eb, fpt = costs.expert_bytes, costs.expert_flops_per_token
         t_attn = self._attention(clock, ctx, step, decoder_layer, ready)
-        installs = self._fill(clock, ctx, layer, counts, plan, t_attn) if ctx.has_gpu else []
+        installs, promoted = self._fill(clock, ctx, layer, counts, plan, t_attn) if ctx.has_gpu else ([], ())
         if not ctx.has_gpu:
             t = t_attn
             for e in plan.experts(CPU):
@@ -187,6 +190,8 @@ class FiddlerSimPolicy(SimPolicy):
             buffer_free = computed[i - COPY_BUFFERS] if i >= COPY_BUFFERS else t_attn
             copied = clock.h2d.run(buffer_free, hw.h2d(eb))
             g = clock.gpu.run(max(g, copied), hw.gpu(eb, fpt * counts[e]))
+            if e in promoted:  # its weights from the buffer into an evicted slot
+                g = clock.gpu.run(g, hw.gpu(2 * eb, 0.0))
             computed.append(g)
         if cpu_experts and self.overlap:
             c_done = cpu_queue(t_attn)

@@ -104,8 +104,14 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
     ap.add_argument("--time-planner", action="store_true", help="time the planner and the residency step per "
                                                                  "layer call (this host's CPU)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite table.md and figure.* from <out>'s pairs")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    if a.report_only:
+        rows = [json.loads(line) for line in (a.out / "pairs.jsonl").read_text().splitlines()]
+        a.envs = list(dict.fromkeys(r["env"] for r in rows))
+        report(a.out, rows, json.loads((a.out / "summary.json").read_text()))
+        return 0
     clock = PlannerClock() if a.time_planner else None
 
     if str(a.profiles) == "none":  # the model's own profile (its reference, else uniform) for both: no shift
@@ -140,8 +146,74 @@ def main(argv=None) -> int:
                 f"{n} {r['decode_tok_s']:.3f} ({r['hit_rate']:.3f})" for n, r in res.items()), flush=True)
     summary = summarise(rows, a)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    report(a.out, rows, summary)
     print(json.dumps(summary, indent=1))
     return 0
+
+
+ABBREV = {"college_computer_science": "CS", "college_medicine": "Med", "high_school_biology": "Bio",
+          "high_school_mathematics": "Math", "high_school_us_history": "Hist", "international_law": "Law",
+          "machine_learning": "ML"}
+
+
+def report(out: Path, rows: list[dict], summary: dict) -> None:
+    """table.md (every pair: decode tok/s and hit rate by policy, the share of the gap closed) and figure.*
+    (per environment: decode tok/s over mismatched static's and the hit rate, pairs sorted by the oracle's gap)."""
+    from matplotlib.ticker import MaxNLocator
+
+    from runners.figures import colors, legend_below, pyplot, save
+
+    envs = list(summary["by_env"])
+    pols = [p for p in ["static", "oracle", "lfu", "lru"] if any(r["policy"] == p for r in rows)]
+    adaptive = [p for p in pols if p not in ("static", "oracle")]
+    name = lambda s: ABBREV.get(s, s) if s else "own"  # noqa: E731
+    lines = [f"Simulated (mode=simulate, the environment's hardware spec): {summary['model']}, "
+             f"{summary['input_len']} in / {summary['output_len']} out, batch {summary['batch']}, "
+             f"sim.reuse={summary['reuse']}; profiles {summary['profiles']}. Decode tok/s (GPU hit rate); "
+             "'closed' is the share of the gap from mismatched static to the oracle static that the policy closes.", ""]
+    for env in envs:
+        lines += [f"### {env}", "", "| place -> route | " + " | ".join(pols) + " | " +
+                  " | ".join(f"{p} closed" for p in adaptive) + " |",
+                  "|---|" + "---:|" * (len(pols) + len(adaptive))]
+        by = {}
+        for r in rows:
+            if r["env"] == env:
+                by.setdefault((r["place"], r["route"]), {})[r["policy"]] = r
+        for (pl, rt), d in by.items():
+            cells = [f"{d[p]['decode_tok_s']:.3f} ({d[p]['hit_rate']:.3f})" for p in pols]
+            closed = [f"{d[p]['gap_closed']:.2f}" if d[p]["gap_closed"] is not None else "-" for p in adaptive]
+            lines.append(f"| {name(pl)} -> {name(rt)} | " + " | ".join(cells + closed) + " |")
+        e = summary["by_env"][env]
+        med = [f"median {e[p]['median_decode_tok_s']:.3f} ({e[p]['median_hit_rate']:.3f})" for p in pols]
+        mc = [f"median {e[p]['median_gap_closed']:.2f}" if e[p]["median_gap_closed"] is not None else "-"
+              for p in adaptive]
+        lines += ["| **all pairs** | " + " | ".join(med + mc) + " |", ""]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+
+    plt = pyplot()
+    fig, axes = plt.subplots(2, len(envs), figsize=(3.4 * len(envs), 4.6), squeeze=False)
+    cols = dict(zip(pols, colors(len(pols))))
+    for j, env in enumerate(envs):
+        by = {}
+        for r in rows:
+            if r["env"] == env:
+                by.setdefault((r["place"], r["route"]), {})[r["policy"]] = r
+        order = sorted(by, key=lambda k: by[k]["oracle"]["vs_static"])
+        xs = list(range(1, len(order) + 1))
+        for p in pols:
+            axes[0][j].plot(xs, [by[k][p]["vs_static"] for k in order], marker="o", ms=2.5, color=cols[p], label=p)
+            axes[1][j].plot(xs, [by[k][p]["hit_rate"] for k in order], marker="o", ms=2.5, color=cols[p], label=p)
+        axes[0][j].set_title(f"{env} (simulated)")
+        axes[0][j].set_ylabel("decode tok/s / mismatched static")
+        axes[1][j].set_ylabel("GPU hit rate")
+        axes[1][j].set_xlabel("subject pair, by the oracle's gain")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    legend_below(fig, axes.ravel().tolist(), [f"{summary['model']}, {summary['input_len']} in, "
+                                              f"{summary['output_len']} out, batch {summary['batch']}, "
+                                              f"sim.reuse={summary['reuse']}"])
+    save(fig, out / "figure")
+    plt.close(fig)
 
 
 def summarise(rows: list[dict], a) -> dict:

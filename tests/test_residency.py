@@ -8,6 +8,7 @@ import torch
 
 from fiddler.executors import GpuSide, build_executor
 from fiddler.latency import LatencyModel
+from fiddler.weights import ExpertWeights
 from fiddler.planner import COPY, CPU, GPU, LayerPlan
 from fiddler.residency import (Chunk, DecayedLFUPolicy, ExpertCache, Install, LRUPolicy, Promote,
                                ResidencyPolicy, make_policy)
@@ -313,3 +314,31 @@ def test_a_bad_policy_name_is_refused_at_start():
     with pytest.raises(Exception, match=r"system.residency=fifo") as e:
         cfg_of("system=fiddler", "system.residency=fifo")
     assert "expected one of [static, lru, lfu]" in str(e.value.__cause__ or e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fills_and_promotions_through_the_copy_stream(dtype):
+    """On CUDA a fill's chunks go on the copy stream and its unpack waits for them by event: the outputs and the
+    slots must be right without any host synchronisation in between."""
+    experts = make_experts(dtype=dtype)
+    keep = [list(r) for r in experts]
+    ex = build_executor(CFG, experts, gpu=GpuSide.cuda(BIG), max_seq_len=64, max_batch=1,
+                        placement="fraction:0.25", latency_model=MIX, residency="lfu", dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 0.02
+    for step in range(30):
+        x, idx, w = routing(16 if step == 0 else 1, seed=step, dtype=dtype)
+        for layer in range(CFG.num_layers):
+            got = ex.forward(layer, x.cuda(), idx.cuda(), w.cuda()).cpu().float()
+            ref = reference([ExpertWeights(e.w1.float(), e.w3.float(), e.w2.float()) for e in keep[layer]],
+                            x.float(), idx, w.float())
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    torch.cuda.synchronize()
+    r = ex.stats.residency
+    assert r["fills"] >= 1 and r["promoted"] >= 1
+    for l, row in enumerate(ex.resident):
+        for e, slot in enumerate(row):
+            if slot is not None:
+                want = ex._device_copy(keep[l][e])
+                assert all(torch.equal(a, b) for a, b in ((slot.w1, want.w1), (slot.w3, want.w3), (slot.w2, want.w2)))

@@ -99,6 +99,10 @@ def frame(recs: Iterable[dict[str, Any]]) -> pd.DataFrame:
         for key, _, _ in SERVING:
             row[key] = m.get(key)
         row["decode_bound_fraction_best"] = ((r.get("decode_bound") or {}).get("fraction") or {}).get("best")
+        ex = (r.get("stats") or {}).get("executor") or {}
+        if isinstance(ex, dict) and ex.get("residency"):  # Fiddler's GPU side: resident hits, and fills if it adapts
+            row["gpu_hit_rate"] = ex.get("gpu_hit_rate")
+            row["evictions"] = ex["residency"].get("evictions")
         row["reps"] = m.get("repetitions")
         row["valid"] = m.get("valid")
         rows.append(row)
@@ -132,6 +136,10 @@ def columns(df: pd.DataFrame) -> list[Col]:
     if len(df) and pd.to_numeric(df["reps"], errors="coerce").fillna(1).max() > 1:
         cols += [Col("decode_tok_s_best", "best decode tok/s", 2), Col("prefill_tok_s_best", "best prefill tok/s", 1)]
     # best decode tok/s over the host's decode bound (runners/decode_bound.py), for CPU runs
+    # Fiddler's resident set (fiddler.residency): the share of routed tokens its GPU experts served, and the
+    # experts it swapped where it adapts
+    cols += [c for c in (Col("gpu_hit_rate", "GPU hit", 3), Col("evictions", "fills", 0))
+             if c.key in df.columns and df[c.key].notna().any()]
     cols += [Col("decode_bound_fraction_best", "best decode / bound", 2), Col("reps", "reps", 0),
              Col("valid", "valid"), Col("reason", "reason")]
     return cols

@@ -342,3 +342,19 @@ def test_cuda_fills_and_promotions_through_the_copy_stream(dtype):
             if slot is not None:
                 want = ex._device_copy(keep[l][e])
                 assert all(torch.equal(a, b) for a, b in ((slot.w1, want.w1), (slot.w3, want.w3), (slot.w2, want.w2)))
+
+
+def test_tables_show_the_hit_rate_and_fills_where_records_have_a_resident_set():
+    from runners import tables
+
+    def rec(system, executor):
+        return {"system": system, "model": "m", "workload": "w", "environment": "e", "mode": "simulate",
+                "status": "ok", "point": {"input_len": 8, "output_len": 4, "beam_width": 1}, "time": system,
+                "metrics": {"decode_tok_s": 1.0, "repetitions": 1, "valid": True}, "stats": {"executor": executor}}
+
+    lfu = rec("fiddler", {"gpu_hit_rate": 0.25, "residency": {"policy": "lfu", "evictions": 7}})
+    other = rec("hf_transformers", {})
+    md = tables.to_markdown(tables.build([lfu, other]))
+    head, _, row, _ = md.splitlines()[-4:]
+    assert "GPU hit" in head and "fills" in head and "0.250" in row and row.rstrip(" |").endswith("7")
+    assert "GPU hit" not in tables.to_markdown(tables.build([other]))

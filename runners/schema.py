@@ -241,6 +241,11 @@ class SimRouting(Enum):
     trace = "trace"  # sim.trace: a routing trace recorded in execute mode (system.record_routing=true)
 
 
+class SimLatencyModel(Enum):
+    spec = "spec"  # from the environment's hardware spec (LatencyModel.from_hardware_spec)
+    trace = "trace"  # the engine's own, recorded with sim.trace (its meta's latency_model)
+
+
 @dataclass
 class SimConfig:
     """mode=simulate: where routing comes from and the efficiency factors (fiddler/sim)."""
@@ -256,6 +261,11 @@ class SimConfig:
     # a trace shorter than the workload (prefill tokens, decode rows) is cycled only when asked; the record
     # then says so (simulation.routing.cycled)
     trace_cycle: bool = False
+    # the latency model the simulated engine decides with (plans, fills): "spec" (built from the environment's
+    # hardware spec, as the engine would calibrate on it) or "trace" (the one the engine calibrated when it
+    # recorded sim.trace: a replay of that run's decisions, e.g. to check that the simulator's resident set is
+    # the engine's); the virtual clock's costs come from the spec either way
+    latency_model: SimLatencyModel = SimLatencyModel.spec
     cpu_class: Optional[str] = None  # None = from environment.cpu.name / isa (fiddler.sim.cpu_class_of)
     gpu_class: str = "nvidia"
     # overrides of the class's factors, e.g. sim.efficiency={cpu:{kernel_bw_fraction:0.9}} or
@@ -268,6 +278,8 @@ class SimConfig:
             _check(lambda: 0.0 <= v <= 1.0, f"sim.{key}", v, "a number in [0, 1]")
         _check(lambda: self.routing is not SimRouting.trace or bool(self.trace), "sim.routing", self.routing.value,
                "trace only with sim.trace=<routing trace file>")
+        _check(lambda: self.latency_model is not SimLatencyModel.trace or bool(self.trace), "sim.latency_model",
+               self.latency_model.value, "trace only with sim.trace=<routing trace file>")
         if self.efficiency and self.efficiency != MISSING:
             from fiddler.sim.efficiency import FACTOR_RANGES, factor_problem  # only when overrides are given
 

@@ -110,6 +110,15 @@ class SimSetup:
             self.routing = ProfileRouting(pop, reuse=sim["reuse"], speculative_recall=sim["speculative_recall"],
                                           seed=sim["seed"], always=self.config.shared_slots)
         self.policy = job.system_config.sim_policy()
+        if sim.get("latency_model") == "trace":  # replay the recorded run's decisions (schema: needs sim.trace)
+            lm = RoutingTrace.load(Path(sim["trace"]).expanduser()).meta.get("latency_model")
+            if lm is None:
+                raise SystemUnavailable(f"sim.latency_model=trace: {sim['trace']} holds no latency model (recorded "
+                                        "by a system without one, or before traces carried it)")
+            if not hasattr(self.policy, "latency_model_override"):
+                raise SystemUnavailable(f"sim.latency_model=trace: {type(self.policy).__name__} decides without "
+                                        "a latency model of its own to replace")
+            self.policy.latency_model_override = lm
         self.ctx = SimContext(self.config, self.dtype, self.hw, budget,
                               max_seq_len=max(p["input_len"] + p["output_len"] for p in job.points),
                               max_batch=max(p["beam_width"] for p in job.points), seed=int(sim["seed"]),
@@ -135,6 +144,8 @@ class SimSetup:
                 "efficiency_sources": {"cpu": self.hw.eff.cpu.sources, "gpu": self.hw.eff.gpu.sources},
                 "routing": self.routing.describe(),
                 "placement_popularity": self.placement_popularity.meta.get("source"),
+                "latency_model": "the recorded engine's (sim.latency_model=trace)"
+                if getattr(self.policy, "latency_model_override", None) else "from the spec",
                 "gpu_budget_bytes": self.ctx.gpu_budget_bytes, "weight_quant": self.ctx.quant,
                 "expert_bytes": self.ctx.costs.expert_bytes, "max_seq_len": self.ctx.max_seq_len,
                 "max_batch": self.ctx.max_batch}

@@ -60,7 +60,10 @@ class EngineAdapter(SystemAdapter):
         """The routing of the last generate (fiddler.sim.RoutingTrace), when system.record_routing is on."""
         if self.recorder is None or not self.recorder.tokens:
             return None
-        return self.recorder.trace(model=self.model.name, system=self.config.name, dtype=self.model.dtype)
+        lm = getattr(self.engine.executor, "latency_model", None)  # what it decided with (sim.latency_model=trace)
+        return self.recorder.trace(model=self.model.name, system=self.config.name, dtype=self.model.dtype,
+                                   latency_model={k: v for k, v in lm.to_dict().items() if k != "samples"}
+                                   if lm is not None else None)
 
     def generate(self, request: GenerationRequest, on_first_token: Callable[[], None]) -> GenerationResult:
         if self.recorder is not None:

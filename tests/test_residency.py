@@ -358,3 +358,71 @@ def test_tables_show_the_hit_rate_and_fills_where_records_have_a_resident_set():
     head, _, row, _ = md.splitlines()[-4:]
     assert "GPU hit" in head and "fills" in head and "0.250" in row and row.rstrip(" |").endswith("7")
     assert "GPU hit" not in tables.to_markdown(tables.build([other]))
+
+
+def test_the_simulator_replays_the_engines_resident_set(tmp_path):
+    """Execute on the emulated GPU with the routing and the engine's latency model recorded, then simulate that
+    routing deciding with that latency model (sim.latency_model=trace): the same plans, fills and promotions, so
+    the same hits, fill by fill (scripts/residency_trace_check.py does this on small_mixtral). Whether the
+    calibrated model lets a fill happen here is the machine's; the test below fixes one that does."""
+    from fiddler.config import MoEConfig
+    from fiddler.placement import reservation
+    from fiddler.sim import RoutingTrace
+    from runners.main import prepare, resolve_model_path, run_job
+    from tests.test_harness import cfg_of as compose
+
+    cfg = MoEConfig.from_pretrained(resolve_model_path(prepare(compose("model=tiny_mixtral"))[0]))
+    dt = torch.bfloat16
+    gb = (sum(reservation(cfg, dt, 64, 1).values()) + cfg.num_moe_layers * 2 * cfg.expert_bytes(dt)) / 2**30
+    common = ["system=fiddler", "model=tiny_mixtral", f"system.gpu_budget_gb={gb}", "system.residency=lfu",
+              "workload.input_lens=[32]", "workload.output_lens=[32]", "run.progress=false",
+              f"run.index_path={tmp_path / 'index.jsonl'}"]
+    (ex,) = run_job(compose(*common, "environment=local", "system.record_routing=true", "workload.repetitions=1",
+                            "workload.warmup=0", "run.isolation=inline"), tmp_path / "ex")
+    assert ex["status"] == "ok", ex.get("reason")
+    assert RoutingTrace.load(ex["routing_trace"]).meta["latency_model"]["source"] == "calibrated"
+    (sim,) = run_job(compose(*common, "mode=simulate", "environment=rtx4090", f"sim.trace={ex['routing_trace']}",
+                             "sim.latency_model=trace"), tmp_path / "sim")
+    assert sim["status"] == "ok", sim.get("reason")
+    assert sim["simulation"]["latency_model"].startswith("the recorded engine's")
+    e, s = ex["stats"]["executor"], sim["stats"]["executor"]
+    for key in ("hits", "routed", "fills", "promoted", "evictions", "abandoned"):
+        assert e["residency"][key] == s["residency"][key], key
+    assert e["tokens"] == s["tokens"]  # kinds a, b, c alike: the same plans
+
+
+def test_a_replayed_latency_model_needs_a_trace():
+    from runners.main import prepare
+    from runners.schema import ConfigError
+    from tests.test_harness import cfg_of
+
+    with pytest.raises(ConfigError, match="sim.latency_model"):
+        prepare(cfg_of("mode=simulate", "sim.latency_model=trace"))
+
+
+def test_the_simulators_cache_is_the_engines_on_the_same_inputs():
+    """The engine with a fixed latency model, its routing recorded; the simulator on that routing with that
+    latency model and the same placement: the same fills, promotions and hits."""
+    from fiddler import Engine
+    from fiddler.executors import FiddlerPolicy
+    from fiddler.latency import HardwareSpec
+    from fiddler.sim import Efficiency, FiddlerSimPolicy, SimContext, SimHardware, TraceRouting, simulate
+    from fiddler.sim.trace import RoutingRecorder
+    from tests.models import model_path, prompt
+
+    eng = Engine.from_pretrained(model_path("e8k2"), dtype=torch.float32, gpu=GpuSide.emulated(1 << 40),
+                                 max_seq_len=64, max_batch=1,
+                                 executor=FiddlerPolicy(placement="fraction:0.25", latency_model=MIX, residency="lfu"))
+    rec = RoutingRecorder.for_config(eng.config)
+    eng.executor.attach_recorder(rec)
+    eng.generate(prompt(16, eng.config.vocab_size, seed=1), max_new_tokens=24)
+    pol = FiddlerSimPolicy(placement=eng.executor.placement, residency="lfu")
+    pol.latency_model_override = MIX.to_dict()
+    hw = SimHardware.build(HardwareSpec(1000, 100, 10, 100, 8, "avx2", 8), Efficiency.for_classes("amd_zen"),
+                           measured_limit=False)
+    ctx = SimContext(eng.config, torch.float32, hw, 1 << 40, max_seq_len=64, max_batch=1)
+    pol.setup(ctx)
+    got = simulate(pol, ctx, TraceRouting(rec.trace()), 16, 24, 1).stats["residency"]
+    want = eng.executor.stats.residency
+    assert want["fills"] >= 1 and want["promoted"] >= 1
+    assert got == want

@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from ..executors.orchestrator import FiddlerStats, LayerStats
+from ..latency import LatencyModel
 from ..placement import COPY_BUFFERS, Placement, place, place_spec
 from ..planner import COPY, CPU, GPU, get_planner
+from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Install, Promote, make_policy
 from .clock import Clock
 from .simulator import SimContext, SimPolicy, Step
@@ -44,6 +46,7 @@ class FiddlerSimPolicy(SimPolicy):
                  overlap: bool = True, quant: str | None = None, residency: str = "static"):
         self.weight_quant = quant  # the engine's quant=: experts and attention projections as llama.cpp blocks
         self.residency = residency  # fiddler.residency: static, or a resident set that adapts while it runs
+        self.latency_model_override: dict | None = None  # decide with this LatencyModel dict, not the spec's
         self.planner_name = planner
         self.placement_spec = placement
         self.overlap = bool(overlap)
@@ -58,6 +61,8 @@ class FiddlerSimPolicy(SimPolicy):
             self.placement = place(cfg, ctx.dtype, None, max_seq_len=ctx.max_seq_len, max_batch=ctx.max_batch,
                                    quant=ctx.quant)
         self.lm = ctx.hw.latency_model(cfg, ctx.dtype, ctx.quant)
+        if self.latency_model_override is not None:  # a recorded engine's own (sim.latency_model=trace)
+            self.lm = LatencyModel.from_dict(self.latency_model_override)
         self.active_planner = self.planner_name if ctx.has_gpu else "cpu"
         self.planner = get_planner(self.active_planner)
         self._plans: dict[tuple, Any] = {}
@@ -72,7 +77,7 @@ class FiddlerSimPolicy(SimPolicy):
         self._x_on_gpu = False
         if hasattr(self, "placement"):
             ctx = self._ctx
-            shares = ctx.popularity.shares() if ctx.popularity is not None else [[1.0] * len(r) for r in self.placement.resident]
+            shares = Popularity.for_config(ctx.config, ctx.popularity).shares()  # as the executor seeds it
             policy = make_policy(self.residency if ctx.has_gpu else "static", self.placement.resident, shares)
             self.cache = ExpertCache(self.placement.resident, policy, ctx.costs.expert_bytes)
 

@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 POLICIES = ("static", "lru", "lfu")
 # The constants below were chosen on the base model's profiles (results/reference/mixtral-8x7b/expert-popularity/
 # original: place from one subject, route from another, mode=simulate); the instruct profiles are the evaluation's.
@@ -160,12 +162,12 @@ class LRUPolicy(ResidencyPolicy):
     def observe(self, layer, counts, resident):
         self.admission.observe(layer, counts, resident)
         lru = self.lru[layer]
-        for e, n in enumerate(counts):
-            if n and e in lru:
-                lru.use(e)
+        for e in np.flatnonzero(counts):
+            if int(e) in lru:
+                lru.use(int(e))
 
     def candidate(self, layer, counts, resident):
-        misses = [e for e, n in enumerate(counts) if n and not resident[e]]
+        misses = [int(e) for e in np.flatnonzero(counts) if not resident[e]]
         return max(misses, key=lambda e: (counts[e], -e)) if misses else None
 
     def victim(self, layer, resident):
@@ -206,41 +208,44 @@ class DecayedLFUPolicy(ResidencyPolicy):
         self.decay = 0.5 ** (1.0 / self.half_life)
         # the profile counts as this many calls of one token each (default: the steady state, 1 / (1 - decay))
         self.prior_calls = float(PRIOR_CALLS if prior_calls is None else prior_calls) or 1.0 / (1.0 - self.decay)
-        self.score = [[float(s) * self.prior_calls for s in sh] for sh in shares]
+        self.score = np.asarray(shares, dtype=np.float64) * self.prior_calls  # [layer, expert], vectorised per call
+        self.held = np.asarray(resident, dtype=bool)  # the slots this policy knows of (the cache's set)
         # each layer's coldest resident expert, (count, layer, expert): a layer's counts change only when it is
         # called, so the coldest slot of all is the least of these (O(layers + experts) a call, not O(slots))
-        self.slots = [[e for e, r in enumerate(row) if r] for row in resident]
         self.coldest = [self._coldest(l) for l in range(len(resident))]
 
     def _coldest(self, layer):
-        sc = self.score[layer]
-        return min(((sc[e], layer, e) for e in self.slots[layer]), default=None)
+        held = self.held[layer]
+        if not held.any():
+            return None
+        e = int(np.where(held, self.score[layer], np.inf).argmin())  # the lowest index among equals
+        return float(self.score[layer, e]), layer, e
 
     def observe(self, layer, counts, resident):
-        d, sc = self.decay, self.score[layer]
-        for e, n in enumerate(counts):
-            sc[e] = sc[e] * d + n
+        sc = self.score[layer]
+        sc *= self.decay
+        sc += counts
         self.coldest[layer] = self._coldest(layer)
 
     def candidate(self, layer, counts, resident):
-        sc = self.score[layer]
-        out = [e for e in range(self.num_experts) if not resident[e]]
-        return max(out, key=lambda e: (sc[e], -e)) if out else None
+        out = ~self.held[layer]
+        if not out.any():
+            return None
+        return int(np.where(out, self.score[layer], -np.inf).argmax())  # the lowest index among equals
 
     def victim(self, layer, resident):
         c = self.coldest[layer] if self.per_layer else min((c for c in self.coldest if c is not None), default=None)
         return None if c is None else (c[1], c[2])
 
     def admit(self, layer, e, victim):
-        return self.score[layer][e] > self.score[victim[0]][victim[1]] * self.margin
+        return bool(self.score[layer, e] > self.score[victim[0], victim[1]] * self.margin)
 
     def rank(self, layer, experts):
         sc = self.score[layer]
         return sorted(experts, key=lambda e: (-sc[e], e))
 
     def swapped(self, layer, e, victim):
-        self.slots[victim[0]].remove(victim[1])
-        self.slots[layer].append(e)
+        self.held[victim[0], victim[1]], self.held[layer, e] = False, True
         for l in {layer, victim[0]}:
             self.coldest[l] = self._coldest(l)
 

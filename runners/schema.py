@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from systems.base import ConfigError
+from systems.base import ConfigError, simulated_budget
 from systems.registry import system_classes
 from systems.base import check as _check
 from systems.base import check_number as _check_number
@@ -410,9 +410,10 @@ def validate(cfg: DictConfig) -> Config:
     return conf
 
 
-def simulated_gpu_budget(conf: Config) -> tuple[float, str]:
-    """(GB, key): the GPU budget mode=simulate gives the system (systems.base.gpu_budget)."""
-    return conf.system.gpu_budget(conf.environment.gpu.memory_gb)
+def simulated_gpu_budget(conf: Config):
+    """(fiddler.gpu_budget.Budget, key): the GPU budget mode=simulate gives the system
+    (systems.base.simulated_budget)."""
+    return simulated_budget(conf.system, conf.environment.gpu.memory_gb, conf.environment.name)
 
 
 def check_simulation(conf: Config) -> None:
@@ -422,12 +423,13 @@ def check_simulation(conf: Config) -> None:
     were simulated as that many cores."""
     env = conf.environment
     budget, source = simulated_gpu_budget(conf)
-    if budget > 0:
+    if budget.bytes is not None:
+        asked = f"{budget.requested:g}" if isinstance(budget.requested, (int, float)) else budget.source
         for key, value in (("gpu.mem_bandwidth_gbps", env.gpu.mem_bandwidth_gbps),
                            ("gpu.bf16_tflops", env.gpu.bf16_tflops), ("pcie.h2d_gbps", env.pcie.h2d_gbps),
                            ("pcie.d2h_gbps", env.pcie.d2h_gbps)):
             _check_number(f"environment.{key}", value, above=True,
-                          note=f" where mode=simulate simulates a GPU ({source}={budget:g}; 0 simulates none)")
+                          note=f" where mode=simulate simulates a GPU ({source}={asked}; 0 simulates none)")
     asked = [("environment.cpu.threads", env.cpu.threads)]
     asked += [(f"system.{k}", getattr(conf.system, k)) for k in ("cpu_threads", "threads") if hasattr(conf.system, k)]
     for key, n in asked:

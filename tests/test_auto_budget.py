@@ -68,6 +68,17 @@ def test_without_cuda_auto_is_no_gpu_unless_a_reading_is_injected(monkeypatch):
     assert f"${FAKE_FREE_ENV}" in side.chosen.source
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_auto_reads_the_devices_free_memory(monkeypatch):
+    monkeypatch.delenv(FAKE_FREE_ENV, raising=False)
+    before = torch.cuda.mem_get_info()[0]
+    side = GpuSide.for_budget_gb(AUTO)
+    after = torch.cuda.mem_get_info()[0]
+    assert side.is_cuda and "free CUDA memory" in side.chosen.source
+    assert int(min(before, after) * 0.9) <= side.budget_bytes <= int(max(before, after) * 0.9)
+
+
 # ------------------------------------------------------------------ the harness
 MODEL = ModelSpec("tiny_mixtral", "/nonexistent/tiny_mixtral")
 

@@ -380,10 +380,16 @@ def _unknown_key(key: str, prefix: str, fields: list[str], where: str) -> str:
 def override_hints(args: list[str]) -> list[str]:
     """For the command line's `key=value` overrides (without +, ~ or hydra.) whose key the schema does not
     have: the line check_known_keys would say, with its did-you-mean. Hydra refuses such a typo first, and
-    suggests adding `+` to it. system.* keys are left to check_known_keys: they depend on the system."""
+    suggests adding `+` to it. system.* keys are left to check_known_keys: they depend on the system. Also
+    environment.gpu.memory_gb=auto, which Hydra refuses as not a number: where auto belongs instead."""
     out = []
     for arg in args:
-        key, eq, _ = arg.partition("=")
+        key, eq, value = arg.partition("=")
+        if key == "environment.gpu.memory_gb" and value.strip().lower() == "auto":
+            out.append("environment.gpu.memory_gb=auto is not a number: it describes the card (GB; 0 = no GPU; "
+                       "environment=local detects it); a budget that sizes itself is system.gpu_budget_gb=auto "
+                       "(system=fiddler, mixtral_offloading; docs/harness.md 'The GPU budget')")
+            continue
         if not eq or key.startswith(("-", "+", "~", "hydra.", "system.")):
             continue
         node: Any = Config

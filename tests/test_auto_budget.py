@@ -96,6 +96,14 @@ def test_the_harness_takes_auto_and_refuses_other_words():
         prepare(cfg_of("system=fiddler", "system.gpu_budget_gb=lots"))
 
 
+def test_the_environments_card_memory_stays_a_number_and_says_where_auto_goes():
+    assert schema.override_hints(["environment.gpu.memory_gb=auto"]) == [
+        "environment.gpu.memory_gb=auto is not a number: it describes the card (GB; 0 = no GPU; environment=local "
+        "detects it); a budget that sizes itself is system.gpu_budget_gb=auto (system=fiddler, mixtral_offloading; "
+        "docs/harness.md 'The GPU budget')"]
+    assert schema.override_hints(["environment.gpu.memory_gb=12"]) == []
+
+
 def test_simulate_applies_the_rule_to_the_environments_card():
     conf, _ = prepare(cfg_of("mode=simulate", "environment=rtx4090", "system=fiddler", "model=mixtral_8x7b",
                              "system.gpu_budget_gb=auto"))

@@ -27,7 +27,7 @@ import torch
 
 # the budget rule lives in a torch-free module (the harness's start checks apply it)
 from . import gpu_budget as rule
-from .gpu_budget import DEFAULT_CUDA_FRACTION, Budget, FreeMemory, Requested  # noqa: F401
+from .gpu_budget import Budget, FreeMemory, Requested
 
 NONE, CUDA, EMULATED = "none", "cuda", "emulated"
 

@@ -184,7 +184,7 @@ def test_the_server_takes_auto_and_says_what_it_chose(monkeypatch):
         assert status == 200 and out["usage"]["completion_tokens"] == 2
     log = proc.stdout.read()
     side = "cuda" if torch.cuda.is_available() else "cpu (emulated GPU)"
-    assert f"fiddler.server: GPU budget: auto: 90% of 10.0 GiB free GPU memory" in log
+    assert "fiddler.server: GPU budget: auto: 90% of 10.0 GiB free GPU memory" in log
     assert f"-> {NINETY_OF_10} bytes, {side}" in log
 
 

@@ -4,26 +4,32 @@ The GPU side holds the non-expert weights, the KV cache, the resident experts an
 one of:
 
 - none: no GPU. Everything lives on the CPU and every expert runs on the CPU path (kind c).
-- cuda: a CUDA device with a memory budget in bytes (by default 90% of its free memory). The budget holds:
+- cuda: a CUDA device with a memory budget in bytes (by default `auto`: 90% of its free memory). The budget holds:
   placement counts the CUDA context and the cuBLAS workspace in it (`overhead_bytes`), and the engine caps
   the caching allocator at the rest (`apply_cap`: torch.cuda.set_per_process_memory_fraction).
 - emulated: the CPU device stands in for a GPU with the given budget, so placement, plans, weight copies
   and output combination run the same code as on CUDA (timings are CPU timings).
+
+What a budget as a user gives it means is one rule, fiddler.gpu_budget.choose_budget (`GpuSide.for_budget_gb`
+builds the side from it): GiB, 0 = no GPU, or `auto` (also the default) = 90% of a free-memory reading.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-NONE, CUDA, EMULATED = "none", "cuda", "emulated"
+# the budget rule lives in a torch-free module (the harness's start checks apply it)
+from . import gpu_budget as rule
+from .gpu_budget import Budget, FreeMemory, Requested
 
-#: share of the free CUDA memory used when no budget is given
-DEFAULT_CUDA_FRACTION = 0.9
+NONE, CUDA, EMULATED = "none", "cuda", "emulated"
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class GpuSide:
     kind: str
     budget_bytes: int | None = None  # None only for kind "none"
     device: torch.device = torch.device("cpu")
+    chosen: Budget | None = field(default=None, compare=False, repr=False)  # how for_budget_gb chose it
 
     def __post_init__(self):
         if self.kind not in (NONE, CUDA, EMULATED):
@@ -52,27 +59,31 @@ class GpuSide:
 
     @classmethod
     def cuda(cls, budget_bytes: int | None = None, device: str | torch.device = "cuda") -> GpuSide:
-        """A CUDA device; without a budget, DEFAULT_CUDA_FRACTION of its free memory now."""
+        """A CUDA device; without a budget, the auto rule on its free memory now."""
         device = torch.device(device)
         if budget_bytes is None:
-            budget_bytes = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_CUDA_FRACTION)
+            budget_bytes = rule.auto_budget_bytes(torch.cuda.mem_get_info(device)[0])
         return cls(CUDA, int(budget_bytes), device)
 
     @classmethod
     def default(cls) -> GpuSide:
-        """CUDA (default budget) when present, else none."""
-        return cls.cuda() if torch.cuda.is_available() else cls.none()
+        """The default budget (auto): CUDA with 90% of its free memory when present, else none."""
+        return cls.for_budget_gb(None)
 
     @classmethod
-    def for_budget_gb(cls, gb: float | None) -> GpuSide:
-        """A budget in GiB as a user gives it: None the default, 0 none; else CUDA where present, and
-        without it an emulated GPU of that size (the CPU device stands in)."""
-        if gb is None:
-            return cls.default()
-        if gb == 0:
-            return cls.none()
-        budget = int(gb * (1 << 30))
-        return cls.cuda(budget) if torch.cuda.is_available() else cls.emulated(budget)
+    def for_budget_gb(cls, gb: Requested, free: FreeMemory | None | Callable[[], FreeMemory | None]
+                      = rule.measured_free_memory) -> GpuSide:
+        """A budget as a user gives it (fiddler.gpu_budget.choose_budget: GiB, 0 none, "auto" or None the
+        default; `free` a reading injected for auto, else this host's), kept in `chosen`: CUDA where present,
+        and without it an emulated GPU of that size (the CPU device stands in)."""
+        chosen = rule.choose_budget(gb, free)
+        if chosen.bytes is None:
+            side = cls.none()
+        elif torch.cuda.is_available():
+            side = cls.cuda(chosen.bytes)
+        else:
+            side = cls.emulated(chosen.bytes)
+        return dataclasses.replace(side, chosen=chosen)
 
     @property
     def has_gpu(self) -> bool:

@@ -29,9 +29,20 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
+def gpu_budget(text: str) -> float | str:
+    """--gpu-budget-gb's type: GiB or auto (fiddler.gpu_budget)."""
+    from .gpu_budget import parse_requested
+
+    try:
+        return parse_requested(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 OPTIONS = (
-    Option("gpu_budget_gb", float, help="GPU memory for the engine (default: 90%% of free CUDA memory; 0: no GPU; "
-                                        "without CUDA a budget > 0 is emulated on the CPU device)"),
+    Option("gpu_budget_gb", gpu_budget,
+           help="GPU memory for the engine in GiB, or auto (the default): 90%% of the free CUDA memory, and without "
+                "CUDA no GPU; 0: no GPU; without CUDA a budget > 0 is emulated on the CPU device"),
     Option("planner", str, "makespan", PLANNERS),
     Option("placement", str, "popularity", help="popularity | random | none | all | fraction:X (fiddler.placement)"),
     Option("popularity", str, help="an expert-popularity JSON for placement=popularity"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from fiddler import hardware
+from fiddler.gpu_budget import AUTO, choose_budget
 from systems import base as systems_base
 
 MEASURED, EMULATED, SIMULATED = "measured", "emulated", "simulated"
@@ -66,15 +67,19 @@ def foreign_environment_reason(env: dict[str, Any], gpu: dict[str, Any] | None) 
             f"or environment=local environment.gpu.memory_gb={budget} to emulate its GPU budget here")
 
 
-def gpu_budget_gb(config: dict[str, Any]) -> float:
-    """The GPU budget a job asks for (systems.base.gpu_budget of its plain config)."""
+def gpu_budget_gb(config: dict[str, Any]) -> float | str:
+    """The GPU budget a job asks for, GiB or "auto" (systems.base.gpu_budget of its plain config)."""
     return systems_base.gpu_budget(config.get("system") or {}, config["environment"]["gpu"].get("memory_gb"))[0]
 
 
 def budget_emulated(config: dict[str, Any], gpu: dict[str, Any] | None) -> bool:
     """True when the GPU budget is not the host's GPU as it is: without CUDA any budget > 0 (the CPU
-    device stands in for the GPU), with CUDA a budget below the card's memory."""
+    device stands in for the GPU), with CUDA a budget below the card's memory. auto sizes from the host's own
+    free memory (the library's rule): the card as it is with CUDA, and without CUDA no GPU (emulated only where
+    a test injects a reading, $FIDDLER_FAKE_FREE_GPU_BYTES)."""
     budget = gpu_budget_gb(config)
+    if budget == AUTO:
+        return not gpu and choose_budget(AUTO).bytes is not None
     if not gpu:
         return budget > 0
     return budget < gpu["memory_gb"] - 0.5

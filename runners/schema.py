@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from systems.base import ConfigError
+from systems.base import ConfigError, simulated_budget
 from systems.registry import system_classes
 from systems.base import check as _check
 from systems.base import check_number as _check_number
@@ -392,10 +392,16 @@ def _unknown_key(key: str, prefix: str, fields: list[str], where: str) -> str:
 def override_hints(args: list[str]) -> list[str]:
     """For the command line's `key=value` overrides (without +, ~ or hydra.) whose key the schema does not
     have: the line check_known_keys would say, with its did-you-mean. Hydra refuses such a typo first, and
-    suggests adding `+` to it. system.* keys are left to check_known_keys: they depend on the system."""
+    suggests adding `+` to it. system.* keys are left to check_known_keys: they depend on the system. Also
+    environment.gpu.memory_gb=auto, which Hydra refuses as not a number: where auto belongs instead."""
     out = []
     for arg in args:
-        key, eq, _ = arg.partition("=")
+        key, eq, value = arg.partition("=")
+        if key == "environment.gpu.memory_gb" and value.strip().lower() == "auto":
+            out.append("environment.gpu.memory_gb=auto is not a number: it describes the card (GB; 0 = no GPU; "
+                       "environment=local detects it); a budget that sizes itself is system.gpu_budget_gb=auto "
+                       "(system=fiddler, mixtral_offloading; docs/harness.md 'The GPU budget')")
+            continue
         if not eq or key.startswith(("-", "+", "~", "hydra.", "system.")):
             continue
         node: Any = Config
@@ -422,9 +428,10 @@ def validate(cfg: DictConfig) -> Config:
     return conf
 
 
-def simulated_gpu_budget(conf: Config) -> tuple[float, str]:
-    """(GB, key): the GPU budget mode=simulate gives the system (systems.base.gpu_budget)."""
-    return conf.system.gpu_budget(conf.environment.gpu.memory_gb)
+def simulated_gpu_budget(conf: Config):
+    """(fiddler.gpu_budget.Budget, key): the GPU budget mode=simulate gives the system
+    (systems.base.simulated_budget)."""
+    return simulated_budget(conf.system, conf.environment.gpu.memory_gb, conf.environment.name)
 
 
 def check_simulation(conf: Config) -> None:
@@ -434,12 +441,13 @@ def check_simulation(conf: Config) -> None:
     were simulated as that many cores."""
     env = conf.environment
     budget, source = simulated_gpu_budget(conf)
-    if budget > 0:
+    if budget.bytes is not None:
+        asked = f"{budget.requested:g}" if isinstance(budget.requested, (int, float)) else budget.source
         for key, value in (("gpu.mem_bandwidth_gbps", env.gpu.mem_bandwidth_gbps),
                            ("gpu.bf16_tflops", env.gpu.bf16_tflops), ("pcie.h2d_gbps", env.pcie.h2d_gbps),
                            ("pcie.d2h_gbps", env.pcie.d2h_gbps)):
             _check_number(f"environment.{key}", value, above=True,
-                          note=f" where mode=simulate simulates a GPU ({source}={budget:g}; 0 simulates none)")
+                          note=f" where mode=simulate simulates a GPU ({source}={asked}; 0 simulates none)")
     asked = [("environment.cpu.threads", env.cpu.threads)]
     asked += [(f"system.{k}", getattr(conf.system, k)) for k in ("cpu_threads", "threads") if hasattr(conf.system, k)]
     for key, n in asked:

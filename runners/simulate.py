@@ -49,18 +49,26 @@ def card_memory_gb(env: dict[str, Any]) -> float | None:
         return None  # detected (local)
 
 
-def gpu_budget(config: dict[str, Any]) -> tuple[float, str]:
-    """(GB, where it came from): systems.base.gpu_budget of the job's plain config."""
-    return systems_base.gpu_budget(config.get("system") or {}, config["environment"]["gpu"].get("memory_gb"))
+def gpu_budget(config: dict[str, Any]):
+    """(fiddler.gpu_budget.Budget, the key it came from): systems.base.simulated_budget of the job's plain
+    config (auto: the library's rule on the environment's card)."""
+    env = config["environment"]
+    return systems_base.simulated_budget(config.get("system") or {}, env["gpu"].get("memory_gb"), env.get("name"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def budget_info(config: dict[str, Any]) -> dict[str, Any]:
-    """The budget simulated, and whether it differs from the card's memory (a budget sweep beyond the card
-    is labelled as such)."""
-    gb, source = gpu_budget(config)
+    """The budget simulated (requested, bytes, and why: `source`; `key`: where the request came from), and
+    whether a number given differs from the card's memory (a budget sweep beyond the card is labelled as such;
+    auto is the rule's share of the card, said in `source`)."""
+    budget, key = gpu_budget(config)
+    gb = float(budget.requested) if _is_number(budget.requested) else (budget.bytes or 0) / 2**30
     card = card_memory_gb(config["environment"])
-    info = {"budget_gb": gb, "source": source, "card_memory_gb": card}
-    if card is not None and abs(gb - card) > 1e-9:
+    info = {**budget.to_dict(), "key": key, "budget_gb": gb, "card_memory_gb": card}
+    if card is not None and _is_number(budget.requested) and abs(gb - card) > 1e-9:  # auto: sized from the card
         info["override"] = "beyond the card's memory" if gb > card else "below the card's memory"
     return info
 
@@ -86,8 +94,8 @@ class SimSetup:
                      for k, v in (factors or {}).items()}
         eff = Efficiency.for_classes(cpu_class, sim.get("gpu_class") or "nvidia").with_overrides(overrides)
         self.hw = SimHardware.build(spec, eff, measured_limit=not env.get("described"))
-        gb, _ = gpu_budget(cfg)
-        budget = int(gb * 2**30) if gb > 0 and self.hw.has_gpu else None
+        chosen, _ = gpu_budget(cfg)
+        budget = chosen.bytes if self.hw.has_gpu else None
 
         reference = reference_popularity(model["name"])
         if reference is not None:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
+from fiddler.gpu_budget import AUTO, FreeMemory, choose_budget
 from fiddler.plain import plain
 
 MISSING = "???"  # omegaconf.MISSING: a value the yaml must give
@@ -107,8 +108,8 @@ class SystemConfig:
         """Raise ConfigError, naming the key, where these options cannot run `model` (checked at start in
         both modes). model_config() gives its fiddler.config.MoEConfig; call it only when needed."""
 
-    def gpu_budget(self, env_gb: float) -> tuple[float, str]:
-        """The GPU budget this system asks for, in GiB, and the key it came from (`gpu_budget`)."""
+    def gpu_budget(self, env_gb: float) -> tuple[float | str, str]:
+        """The GPU budget this system asks for, in GiB or "auto", and the key it came from (`gpu_budget`)."""
         return gpu_budget(self, env_gb)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,16 +117,26 @@ class SystemConfig:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def gpu_budget(system: Any, env_gb: float | None) -> tuple[float, str]:
-    """The harness's one rule for which GPU budget a job asks for: (GiB, the key it came from), the system's
-    `gpu_budget_gb` where it has one set, else the environment's `gpu.memory_gb`. `system`: a SystemConfig or
-    its plain dict. What a budget means (0 = no GPU; without CUDA one > 0 is emulated) is the library's rule,
-    fiddler.gpu_side.GpuSide.for_budget_gb: execute mode builds the GPU side with it, and mode=simulate
-    simulates a GPU of that size where it is > 0."""
+def gpu_budget(system: Any, env_gb: float | None) -> tuple[float | str, str]:
+    """The harness's one rule for which GPU budget a job asks for: (GiB or "auto", the key it came from), the
+    system's `gpu_budget_gb` where it has one set, else the environment's `gpu.memory_gb`. `system`: a
+    SystemConfig or its plain dict. What a budget means (0 = no GPU; without CUDA one > 0 is emulated; auto =
+    90% of the free memory) is the library's rule, fiddler.gpu_budget.choose_budget: execute mode builds the
+    GPU side with it (GpuSide.for_budget_gb), and mode=simulate applies it to the environment's card."""
     own = system.get("gpu_budget_gb") if isinstance(system, dict) else getattr(system, "gpu_budget_gb", None)
     if own is not None:
-        return float(own), "system.gpu_budget_gb"
+        return (own if own == AUTO else float(own)), "system.gpu_budget_gb"
     return float(env_gb or 0), "environment.gpu.memory_gb"
+
+
+def simulated_budget(system: Any, env_gb: float | None, env_name: str):
+    """(fiddler.gpu_budget.Budget, the key): the budget mode=simulate gives the system, gpu_budget's request
+    through the library's rule with the environment's card as the free-memory reading (a simulated card is
+    empty: auto is 90% of its memory; a card of 0 GB, none)."""
+    gb, key = gpu_budget(system, env_gb)
+    card = float(env_gb or 0)
+    free = FreeMemory(int(card * 2**30), f"on environment={env_name}'s card (mode=simulate reads it all as free)")
+    return choose_budget(gb, free if card > 0 else None), key
 
 
 def one_line(exc: BaseException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable
 
+from fiddler.gpu_budget import AUTO
 from systems.base import GenerationRequest, GenerationResult, SystemAdapter
 
 
@@ -21,16 +22,21 @@ class EngineAdapter(SystemAdapter):
     def gpu_side(self):
         """(fiddler.gpu_side.GpuSide, where its budget came from): the budget of systems.base.gpu_budget, as
         the library reads it (GpuSide.for_budget_gb: 0 = no GPU; without CUDA a budget > 0 is emulated, the
-        GPU side is the CPU device, so the orchestration runs as it would on a card of that size)."""
+        GPU side is the CPU device, so the orchestration runs as it would on a card of that size; auto = 90% of
+        the free CUDA memory, no GPU without CUDA)."""
         from fiddler.gpu_side import GpuSide
 
-        gb, source = self.config.gpu_budget(self.ctx.gpu_memory_gb)
+        gb, key = self.config.gpu_budget(self.ctx.gpu_memory_gb)
         gpu = GpuSide.for_budget_gb(gb)
+        if gb == AUTO:
+            asked = f"{key}=auto ({gpu.chosen.source})" if gpu.chosen is not None else f"{key}=auto"
+        else:
+            asked = f"{key}={gb:g}" + (" GB" if gpu.has_gpu else "")
         if not gpu.has_gpu:
-            return gpu, f"none ({source}={gb:g})"
+            return gpu, f"none ({asked})"
         if gpu.is_cuda:
-            return gpu, f"{source}={gb:g} GB"
-        return gpu, f"{source}={gb:g} GB, emulated: the GPU side is the CPU device"
+            return gpu, asked
+        return gpu, f"{asked}, emulated: the GPU side is the CPU device"
 
     @property
     def weight_quant(self) -> str | None:
@@ -80,7 +86,10 @@ class EngineAdapter(SystemAdapter):
             torch.cuda.synchronize()
 
     def info(self) -> dict[str, Any]:
-        return {**self.engine.info(), "gpu_budget_source": self.budget_source}
+        chosen = self.gpu.chosen  # what the budget became and why (auto: the free memory it was sized from)
+        key = self.config.gpu_budget(self.ctx.gpu_memory_gb)[1]
+        budget = {**chosen.to_dict(), "key": key} if chosen is not None else None
+        return {**self.engine.info(), "gpu_budget_source": self.budget_source, "gpu_budget": budget}
 
     def close(self) -> None:
         self.engine = None

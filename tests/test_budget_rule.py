@@ -1,12 +1,14 @@
 """The GPU budget has one rule on each side: which budget a job asks for is systems.base.gpu_budget (the
 system's gpu_budget_gb, else the environment's), and what a budget means is the library's
-GpuSide.for_budget_gb (0 = no GPU; without CUDA one > 0 is emulated). Patching each rule, every harness path
+GpuSide.for_budget_gb (0 = no GPU; without CUDA one > 0 is emulated; auto sized by fiddler.gpu_budget). Patching each rule, every harness path
 that reads a budget follows it: execute mode's GPU side, the server's command line, mode=simulate, the start
 checks and the provenance label."""
 from __future__ import annotations
 
 import pytest
 
+from fiddler import gpu_budget
+from fiddler.gpu_budget import Budget
 from fiddler.gpu_side import GpuSide
 from runners import provenance, schema, simulate
 from runners.main import prepare
@@ -30,7 +32,7 @@ def plain(system_gb, env_gb) -> dict:
 
 
 @pytest.mark.parametrize("system_gb, env_gb, want", [(None, 6.0, 6.0), (2.0, 6.0, 2.0), (0.0, 6.0, 0.0),
-                                                     (None, 0.0, 0.0)])
+                                                     (None, 0.0, 0.0), ("auto", 6.0, "auto")])
 def test_execute_mode_builds_the_gpu_side_with_the_library_rule(monkeypatch, system_gb, env_gb, want):
     asked = []
     marker = GpuSide.emulated(12345)
@@ -58,11 +60,11 @@ def test_the_library_meaning_without_cuda():
 
 def test_every_harness_path_follows_the_budget_rule(monkeypatch):
     monkeypatch.setattr(base, "gpu_budget", lambda system, env_gb: (7.5, "the rule"))
-    assert simulate.gpu_budget(plain(None, 24.0)) == (7.5, "the rule")
+    assert simulate.gpu_budget(plain(None, 24.0)) == (Budget(7.5, int(7.5 * 2**30), "7.5 GiB as given"), "the rule")
     assert simulate.budget_info(plain(1.0, 24.0))["budget_gb"] == 7.5
     assert provenance.gpu_budget_gb(plain(1.0, 24.0)) == 7.5
     conf, _ = prepare(cfg_of("mode=simulate", "environment=rtx4090", "system=fiddler", "model=mixtral_8x7b"))
-    assert schema.simulated_gpu_budget(conf) == (7.5, "the rule")
+    assert schema.simulated_gpu_budget(conf)[0].bytes == int(7.5 * 2**30)
     cmd = FiddlerAdapter(FiddlerConfig.build(gpu_budget_gb=1.0), MODEL, ctx(24.0)).server_command(schema.ServeConfig())
     assert cmd[cmd.index("--gpu-budget-gb") + 1] == "7.5"
     asked = []
@@ -71,8 +73,25 @@ def test_every_harness_path_follows_the_budget_rule(monkeypatch):
     assert asked == [7.5]
 
 
+def test_auto_is_passed_to_the_library_never_sized_by_the_harness(monkeypatch):
+    """The harness hands `auto` on: to the library in execute mode and mode=simulate (whose rule,
+    fiddler.gpu_budget.auto_budget_bytes, is patched here), to the server on its command line."""
+    monkeypatch.setattr(gpu_budget, "auto_budget_bytes", lambda free: 12345)
+    monkeypatch.setenv(gpu_budget.FAKE_FREE_ENV, str(2**30))
+    gpu, _ = FiddlerAdapter(FiddlerConfig.build(gpu_budget_gb="auto"), MODEL, ctx(24.0)).gpu_side()
+    assert gpu.budget_bytes == 12345
+    assert simulate.gpu_budget({"system": {"gpu_budget_gb": "auto"}, "environment": {"name": "rtx4090", "gpu": {
+        "memory_gb": 24.0}}})[0].bytes == 12345
+    conf, _ = prepare(cfg_of("mode=simulate", "environment=rtx4090", "system=fiddler", "model=mixtral_8x7b",
+                             "system.gpu_budget_gb=auto"))
+    assert schema.simulated_gpu_budget(conf)[0].bytes == 12345
+    cmd = FiddlerAdapter(FiddlerConfig.build(gpu_budget_gb="auto"), MODEL, ctx(24.0)).server_command(schema.ServeConfig())
+    assert cmd[cmd.index("--gpu-budget-gb") + 1] == "auto"
+
+
 def test_the_rule_itself():
     assert base.gpu_budget({"gpu_budget_gb": None}, 24) == (24.0, "environment.gpu.memory_gb")
     assert base.gpu_budget({"gpu_budget_gb": 0}, 24) == (0.0, "system.gpu_budget_gb")
     assert base.gpu_budget({}, None) == (0.0, "environment.gpu.memory_gb")  # a system without the option
     assert FiddlerConfig.build(gpu_budget_gb=3.0).gpu_budget(24.0) == (3.0, "system.gpu_budget_gb")
+    assert FiddlerConfig.build(gpu_budget_gb="auto").gpu_budget(24.0) == ("auto", "system.gpu_budget_gb")

@@ -1,4 +1,4 @@
-"""python -m fiddler.server --model DIR [--gpu-budget-gb N] [--slots N] [--max-queue N] [--port P]
+"""python -m fiddler.server --model DIR [--gpu-budget-gb N|auto] [--slots N] [--max-queue N] [--port P]
 
 Serves the checkpoint in DIR over the OpenAI API on 127.0.0.1 (--host to change; another address without an
 API key is warned about). With an API key ($FIDDLER_API_KEY, or --api-key), every route but /health answers
@@ -119,9 +119,12 @@ def loader(args):
 
         policy = FiddlerPolicy(placement=args.placement, popularity=args.popularity, planner=args.planner,
                                residency=args.residency)
+        gpu = GpuSide.for_budget_gb(args.gpu_budget_gb)  # /health says what it chose, too
+        chose = f"{gpu.budget_bytes} bytes, {gpu.describe()}" if gpu.has_gpu else "no GPU"
+        print(f"fiddler.server: GPU budget: {gpu.chosen.source} -> {chose}", file=sys.stderr, flush=True)
         be = BatchEngine.from_pretrained(args.model, slots=args.slots, token_budget=args.token_budget,
                                          max_queue=args.max_queue, dtype=getattr(torch, args.dtype),
-                                         gpu=GpuSide.for_budget_gb(args.gpu_budget_gb), executor=policy,
+                                         gpu=gpu, executor=policy,
                                          cpu_threads=args.cpu_threads, max_seq_len=args.max_seq_len,
                                          quant=args.quant, prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
         return be, AutoTokenizer.from_pretrained(args.model, local_files_only=True)

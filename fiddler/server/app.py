@@ -166,7 +166,8 @@ def create_app(state: ServerState) -> FastAPI:
         if not state.ready.is_set():
             body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-        return {"status": "ok"}
+        chosen = getattr(getattr(getattr(state.batch_engine, "engine", None), "gpu", None), "chosen", None)
+        return {"status": "ok", **({"gpu_budget": chosen.to_dict()} if chosen is not None else {})}
 
     @app.get("/v1/models")
     async def models():

@@ -304,8 +304,6 @@ class _Fill:
 
 @dataclass
 class CacheStats:
-    hits: int = 0  # routed (token, expert) pairs served by a resident expert
-    routed: int = 0
     fills_started: int = 0
     fills: int = 0  # installed (each one an eviction)
     abandoned: int = 0  # copied whole, then no longer worth a slot
@@ -314,13 +312,8 @@ class CacheStats:
     fill_bytes: int = 0
     by_layer: list[int] = field(default_factory=list)  # fills per layer
 
-    @property
-    def hit_rate(self) -> float | None:
-        return self.hits / self.routed if self.routed else None
-
     def to_dict(self) -> dict[str, Any]:
-        return {"hits": self.hits, "routed": self.routed, "hit_rate": self.hit_rate,
-                "fills_started": self.fills_started, "fills": self.fills, "promoted": self.promoted,
+        return {"fills_started": self.fills_started, "fills": self.fills, "promoted": self.promoted,
                 "evictions": self.fills + self.promoted, "abandoned": self.abandoned, "restarted": self.restarted,
                 "fill_bytes": self.fill_bytes}
 
@@ -363,9 +356,9 @@ class ExpertCache:
         """Kind-b experts of this call kept in an evicted slot, while the GPU has the time (see the module)."""
         from .planner import COPY
 
-        copied = plan.experts(COPY)
-        if not copied:
+        if COPY not in plan.decisions:
             return []
+        copied = plan.experts(COPY)
         pol, out = self.policy, []
         cost = 2 * lm.gpu(1) if lm is not None else 0.0  # read the buffer, write the slot: two expert reads
         room = plan.makespan - plan.gpu_time if lm is not None else float("inf")
@@ -388,12 +381,11 @@ class ExpertCache:
 
     def step(self, layer: int, counts: Sequence[int], plan, lm) -> list[Chunk | Install | Promote]:
         pol = self.policy
-        if not pol.adaptive:  # nothing to learn or fill (the executor's gpu_hit_rate counts its hits)
+        if not pol.adaptive:  # nothing to learn or fill (hits are FiddlerStats.gpu_hit_rate's: kind a)
             return []
         res = self.resident[layer]
         st = self.stats
-        st.routed += sum(counts)
-        st.hits += sum(n for n, r in zip(counts, res) if r)
+        counts = np.asarray(counts)  # once, for the policy's vector arithmetic
         pol.observe(layer, counts, res)
         out: list = self._promote(layer, plan, lm)
         if self.fill is None:

@@ -38,7 +38,7 @@ def test_static_never_fills_and_counts_nothing():
     cache = ExpertCache(res, ResidencyPolicy(res, sh), HOST)
     for _ in range(10):
         assert cache.step(0, [0, 3, 0, 0], plan([0, 3, 0, 0], [None, CPU, None, None]), LM) == []
-    assert cache.resident == res and cache.stats.routed == 0 and cache.describe() == {"policy": "static"}
+    assert cache.resident == res and cache.stats.fills_started == 0 and cache.describe() == {"policy": "static"}
 
 
 def test_lfu_across_layers_learns_a_shift_and_evicts_the_coldest_slot_of_any_layer():
@@ -232,7 +232,6 @@ def test_executor_fills_exact_fp32(residency):
             assert torch.equal(out, reference(experts[layer], x, idx, w))
     r = ex.stats.residency
     assert r["policy"] == residency and r["evictions"] == r["fills"] + r["promoted"] >= 1
-    assert ex.stats.gpu_hit_rate == pytest.approx(r["hit_rate"])
     assert ex.cache.resident != ex.placement.resident  # the set moved
     assert sum(map(sum, ex.cache.resident)) == ex.placement.num_resident
 
@@ -304,7 +303,7 @@ def test_the_harness_key_reaches_the_simulator(tmp_path):
         recs[pol] = rec
     assert recs["static"]["stats"]["executor"]["residency"] == {"policy": "static"}
     lfu = recs["lfu"]["stats"]["executor"]["residency"]
-    assert lfu["policy"] == "lfu" and lfu["routed"] == recs["lfu"]["stats"]["executor"]["routed_tokens"]
+    assert lfu["policy"] == "lfu" and lfu["evictions"] == lfu["fills"] + lfu["promoted"]
     assert recs["lfu"]["system_info"]["placement"] == recs["static"]["system_info"]["placement"]
 
 
@@ -386,9 +385,9 @@ def test_the_simulator_replays_the_engines_resident_set(tmp_path):
     assert sim["status"] == "ok", sim.get("reason")
     assert sim["simulation"]["latency_model"].startswith("the recorded engine's")
     e, s = ex["stats"]["executor"], sim["stats"]["executor"]
-    for key in ("hits", "routed", "fills", "promoted", "evictions", "abandoned"):
+    for key in ("fills", "promoted", "evictions", "abandoned"):
         assert e["residency"][key] == s["residency"][key], key
-    assert e["tokens"] == s["tokens"]  # kinds a, b, c alike: the same plans
+    assert e["tokens"] == s["tokens"]  # kinds a, b, c alike: the same plans, the same hits (kind a)
 
 
 def test_a_replayed_latency_model_needs_a_trace():
@@ -422,7 +421,7 @@ def test_the_simulators_cache_is_the_engines_on_the_same_inputs():
                            measured_limit=False)
     ctx = SimContext(eng.config, torch.float32, hw, 1 << 40, max_seq_len=64, max_batch=1)
     pol.setup(ctx)
-    got = simulate(pol, ctx, TraceRouting(rec.trace()), 16, 24, 1).stats["residency"]
-    want = eng.executor.stats.residency
-    assert want["fills"] >= 1 and want["promoted"] >= 1
-    assert got == want
+    got = simulate(pol, ctx, TraceRouting(rec.trace()), 16, 24, 1).stats
+    want = eng.executor.stats
+    assert want.residency["fills"] >= 1 and want.residency["promoted"] >= 1
+    assert got["residency"] == want.residency and got["tokens"] == want.tokens  # and so the hits (kind a)

@@ -425,3 +425,22 @@ def test_the_simulators_cache_is_the_engines_on_the_same_inputs():
     want = eng.executor.stats
     assert want.residency["fills"] >= 1 and want.residency["promoted"] >= 1
     assert got["residency"] == want.residency and got["tokens"] == want.tokens  # and so the hits (kind a)
+
+
+def test_batched_requests_with_an_adaptive_set_match_each_alone(residency="lfu"):
+    """Continuous batching (the server's engine) while the resident set moves: every request's tokens are
+    those it gets alone on the CPU-only engine (tests/test_batch.py's workload)."""
+    from fiddler import Engine
+    from fiddler.batch import BatchEngine
+    from fiddler.executors import FiddlerPolicy
+    from runners.models import synthetic_model
+    from tests.models import MIX_LATENCY
+    from tests.test_batch import OUTPUT_LENS, SEQ, SLOTS, alone, params, prompts
+
+    e = Engine.from_pretrained(synthetic_model("tiny_mixtral"), dtype=torch.float32, max_batch=SLOTS, max_seq_len=SEQ,
+                               gpu=GpuSide.emulated(1 << 40),
+                               executor=FiddlerPolicy(placement="fraction:0.5", latency_model=MIX_LATENCY,
+                                                      residency=residency))
+    be = BatchEngine(e, token_budget=128)
+    assert be.generate(prompts("tiny_mixtral"), [params(n) for n in OUTPUT_LENS]) == alone("tiny_mixtral")
+    assert e.executor.stats.residency["evictions"] >= 1

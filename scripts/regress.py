@@ -26,8 +26,8 @@ those over the CPUs, and this CPU needs UPDATE_WINDOW readings before it moves a
 the window both ways (no ratchet): a few readings taken on a quiet machine, or beside a reference side that
 ran unusually slow, once set floors that no normal run reached (min of the last 3 less the margin, only
 rising: engine_decode_vs_transformers on a Zen 4 at 30.8 against CI readings of 6.5), while one reading
-of a busy moment among five or more moves nothing. A floor that falls is printed as such by --update, and
-the file's diff shows it. Each CPU (model name, family and model) also gets its own floor by the same rule
+of a busy moment among five or more moves nothing. A floor that gets looser is printed as such by --update,
+and the file's diff shows it. Each CPU (model name, family and model) also gets its own floor by the same rule
 from its own readings ('cpu_floors'), and is judged by it once it has one; a CPU without one is judged by
 the class floor (so a new CPU, or a regression on one, still meets the class's floor or the side-by-side
 below). A ratio judged by the class floor (this CPU has no floor of its own) that crosses it is not
@@ -378,7 +378,7 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
     over the CPUs (a class holds different CPUs, e.g. Intel with AMX and AMD Zen 5, and must pass on all of
     them), and this CPU needs UPDATE_WINDOW readings before it moves anything. This CPU's own floor
     ('cpu_floors') comes by the same rule from its readings alone. A floor follows its window both ways:
-    a derived value below the old floor is recorded and printed as a fall."""
+    a derived floor looser than the old one is recorded and printed as such."""
     today = _dt.date.today().isoformat()
     me = reading_cpu()
     changes = []
@@ -412,9 +412,9 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
 
         def moved(what: str, old, new) -> None:
             if new != old:
-                falls = old is not None and (new < old if higher else new > old)
-                changes.append(f"{what}: {old} -> {new}" + (" (falls: the window's readings support no more)"
-                                                            if falls else ""))
+                looser = old is not None and (new < old if higher else new > old)
+                changes.append(f"{what}: {old} -> {new}" + (" (looser: the window's readings support no more)"
+                                                            if looser else ""))
 
         cand = bound(min(low.values()) if higher else max(low.values()))
         moved(r["name"], e["floor"], cand)

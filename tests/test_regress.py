@@ -76,7 +76,7 @@ def test_update_needs_three_readings_then_derives_the_floor_from_the_windows_low
     regress.main(args)  # a second one: the window's second worst is 0.5 now, and the floor follows it down
     f = floors(regress)
     assert f["k_up"]["floor"] == pytest.approx(0.425) and f["p_down"]["floor"] == pytest.approx(0.575)
-    assert "k_up: 0.85 -> 0.425 (falls: the window's readings support no more)" in capsys.readouterr().out
+    assert "k_up: 0.85 -> 0.425 (looser: the window's readings support no more)" in capsys.readouterr().out
     regress.readings["values"] = {"k_up": 3.0, "p_down": 0.1}  # a few high readings (a quiet moment) ...
     for _ in range(3):
         regress.main(args)

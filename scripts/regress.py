@@ -156,6 +156,15 @@ def machine_state(since: tuple[int, int] | None) -> str:
     return ", ".join(parts) or "machine state unknown"
 
 
+def load_per_cpu() -> float | None:
+    """The 1-min load average over the CPU count, recorded with each reading: a note of how busy the machine
+    was (a ratio whose sides a busy neighbour slows unequally reads another level then), not used by the rule."""
+    try:
+        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+    except OSError:
+        return None
+
+
 def run_suite(quick: bool, select: str | None, nodes: list[str] | None = None,
               rounds: int | None = None, root: Path = ROOT) -> tuple[list[dict], list[dict], int]:
     """Runs benchmarks/ of the tree at `root` (or only the given test node ids, relative to it; `rounds`
@@ -190,7 +199,8 @@ def load_floors() -> dict:
 
 def save_floors(data: dict) -> None:
     header = ("# Floors of scripts/regress.py (see its docstring): per CPU class, per ratio. 'readings' are the\n"
-              f"# last {HISTORY} measurements per CPU recorded with --update; 'floor' is derived from them at each\n"
+              f"# last {HISTORY} measurements per CPU recorded with --update (with the 1-min load per CPU then, where\n"
+              "# recorded); 'floor' is derived from them at each\n"
               "# --update (each CPU's low quantile of its readings less the margin, the lowest over the CPUs);\n"
               "# 'cpu_floors' are each CPU's own, by the same rule from its readings alone; 'lowered' keeps every\n"
               "# explicit lowering and its reason.\n")
@@ -372,8 +382,8 @@ def low_reading(values: list[float], higher: bool) -> float:
     return ranked[int(FLOOR_QUANTILE * (len(ranked) - 1))]
 
 
-def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
-    """Appends this run's readings, keeps each CPU's last HISTORY, and derives every floor they support: on
+def update(data: dict, table: dict, ratios: list[dict], load: float | None = None) -> list[str]:
+    """Appends this run's readings (with the load per CPU they were taken at), keeps each CPU's last HISTORY, and derives every floor they support: on
     each CPU that has readings, low_reading of its window less the margin; the floor is the lowest of those
     over the CPUs (a class holds different CPUs, e.g. Intel with AMX and AMD Zen 5, and must pass on all of
     them), and this CPU needs UPDATE_WINDOW readings before it moves anything. This CPU's own floor
@@ -388,7 +398,7 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
         if r.get("margin") is not None and "margin" not in e:
             e["margin"] = r["margin"]  # the benchmark's own margin (noisier ratios), kept once set
         readings = (e.get("readings") or []) + [
-            {"value": round(r["value"], 5), "date": today, "cpu": me, "path": r.get("path")}]
+            {"value": round(r["value"], 5), "date": today, "cpu": me, "path": r.get("path"), "load": load}]
         count: dict[str, int] = {}
         for x in readings:
             count[x["cpu"]] = count.get(x["cpu"], 0) + 1
@@ -532,7 +542,7 @@ def main(argv=None) -> int:
         return 0
     since = cpu_times()
     ratios, skipped, rc = run_suite(args.quick, args.select)
-    state = machine_state(since)
+    state, load = machine_state(since), load_per_cpu()
     if rc not in (0, 5) or not ratios:  # 5: no tests collected (-k matched nothing)
         print(f"regress: the benchmark suite failed (pytest exit {rc}); no ratio is judged", file=sys.stderr)
         return 2
@@ -547,7 +557,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"class": cls, "cpu": cpu_name(), "rows": rows, "skipped": skipped},
                                               indent=1))
     if args.update:
-        for c in update(data, floors_of(data, cls, mode, create=True), ratios) or ["no floor changed"]:
+        for c in update(data, floors_of(data, cls, mode, create=True), ratios, load) or ["no floor changed"]:
             print("update:", c)
         print("update:", "reference build unchanged (-k: a partial run)" if args.select
               else set_reference(data, [r["name"] for r in rows if r["status"] == "FAIL"]))

@@ -82,6 +82,7 @@ def test_update_needs_three_readings_then_derives_the_floor_from_the_windows_low
         regress.main(args)
     f = floors(regress)
     assert [x["value"] for x in f["k_up"]["readings"]] == [1.0] * 3 + [0.5] * 2 + [3.0] * 3  # the last 8
+    assert all(isinstance(x["load"], float) for x in f["k_up"]["readings"])  # how busy the machine was: a note
     assert f["k_up"]["floor"] == pytest.approx(0.425)  # ... do not lift the floor above the others
     for _ in range(3):
         regress.main(args)

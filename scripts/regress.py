@@ -33,8 +33,10 @@ the class floor (so a new CPU, or a regression on one, still meets the class's f
 below). A ratio judged by the class floor (this CPU has no floor of its own) that crosses it is not
 measured again ratio by ratio: a re-reading would only confirm that this CPU is another one than those the
 class floor came from; it goes straight to the one side-by-side run below. Lowering a floor below what its readings support needs --lower with a --reason, which is stored
-next to the floor (and caps every CPU's own floor of that ratio) until the next --update of that ratio
-derives it again. --update with -k records only the ratios read and never moves the reference build (a
+next to the floor and caps the floors --update derives from then on (the class floor at the lowering's
+'to', every CPU's own at its 'cpu_floors_at_most': lowering_caps) until the entry is removed from the file:
+readings taken beside busy neighbours can sit above every quiet run (engine_decode_vs_transformers on a
+2-vCPU Zen 4 read 15-142 under other sessions' load, 6.5 in CI), and no rule over them finds that level. --update with -k records only the ratios read and never moves the reference build (a
 partial run cannot vouch for the floors it did not read).
 A ratio measured on another kernel path than its recorded readings on this CPU ran (a fallback, which
 a floor sized for noise may not tell apart) fails at once, whatever its value.
@@ -200,10 +202,10 @@ def load_floors() -> dict:
 def save_floors(data: dict) -> None:
     header = ("# Floors of scripts/regress.py (see its docstring): per CPU class, per ratio. 'readings' are the\n"
               f"# last {HISTORY} measurements per CPU recorded with --update (with the 1-min load per CPU then, where\n"
-              "# recorded); 'floor' is derived from them at each\n"
-              "# --update (each CPU's low quantile of its readings less the margin, the lowest over the CPUs);\n"
-              "# 'cpu_floors' are each CPU's own, by the same rule from its readings alone; 'lowered' keeps every\n"
-              "# explicit lowering and its reason.\n")
+              "# recorded); 'floor' is derived from them at each --update (each CPU's low quantile of its readings\n"
+              "# less the margin, the lowest over the CPUs); 'cpu_floors' are each CPU's own, by the same rule from\n"
+              "# its readings alone; 'lowered' keeps every explicit lowering and its reason, and caps the derived\n"
+              "# floors until it is removed.\n")
     FLOORS.parent.mkdir(parents=True, exist_ok=True)
     tmp = FLOORS.with_suffix(".tmp")
     tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, width=110))
@@ -382,6 +384,17 @@ def low_reading(values: list[float], higher: bool) -> float:
     return ranked[int(FLOOR_QUANTILE * (len(ranked) - 1))]
 
 
+def lowering_caps(e: dict, higher: bool) -> tuple[float | None, float | None]:
+    """(class cap, every CPU's own cap) of a ratio's --lower entries: a lowering says the readings overstate
+    the level a normal run reaches (they were taken beside busy neighbours, or on another build), so the
+    floors derived from them stay at or below it until the entry is removed from the file."""
+    pick = min if higher else max
+    tos = [x["to"] for x in e.get("lowered") or [] if x.get("to") is not None]
+    cpus = [x.get("cpu_floors_at_most", x.get("to")) for x in e.get("lowered") or []]
+    cpus = [c for c in cpus if c is not None]
+    return (pick(tos) if tos else None), (pick(cpus) if cpus else None)
+
+
 def update(data: dict, table: dict, ratios: list[dict], load: float | None = None) -> list[str]:
     """Appends this run's readings (with the load per CPU they were taken at), keeps each CPU's last HISTORY, and derives every floor they support: on
     each CPU that has readings, low_reading of its window less the margin; the floor is the lowest of those
@@ -426,15 +439,18 @@ def update(data: dict, table: dict, ratios: list[dict], load: float | None = Non
                 changes.append(f"{what}: {old} -> {new}" + (" (looser: the window's readings support no more)"
                                                             if looser else ""))
 
-        cand = bound(min(low.values()) if higher else max(low.values()))
+        capped = (lambda v, cap: v if cap is None else (min(v, cap) if higher else max(v, cap)))
+        class_cap, cpu_cap = lowering_caps(e, higher)
+        cand = capped(bound(min(low.values()) if higher else max(low.values())), class_cap)
         moved(r["name"], e["floor"], cand)
         e["floor"] = cand
         # this CPU's own floor, by the same rule from its readings alone: judged by it, a CPU slower
         # than the class's others at a ratio (Zen 5's bf16 compute against Intel's) is not measured
         # again and side by side at every run, and a faster one is held to its own level
         own = e.setdefault("cpu_floors", {})
-        moved(f"{r['name']} on {me}", own.get(me), bound(low[me]))
-        own[me] = bound(low[me])
+        mine = capped(bound(low[me]), cpu_cap)
+        moved(f"{r['name']} on {me}", own.get(me), mine)
+        own[me] = mine
     return changes
 
 

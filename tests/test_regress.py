@@ -283,6 +283,29 @@ def test_lowering_needs_a_reason_and_keeps_it(regress):
         regress.main(["--quick", "--class", "avx512", "--lower", "nope=1", "--reason", "x"])
 
 
+def test_a_lowering_caps_the_floors_later_updates_derive(regress, monkeypatch):
+    """Readings beside busy neighbours can all sit far above a quiet run (a Zen 4 read the engine against
+    transformers at 15-142 under load, 6.5 in CI): a lowering with its reason holds against them."""
+    args = ["--quick", "--update", "--class", "avx512"]
+    for _ in range(3):
+        regress.main(args)
+    assert regress.main(["--quick", "--class", "avx512", "--lower", "k_up=0.5", "--reason", "quiet runs read 0.7"]) == 0
+    regress.readings["values"] = {"k_up": 3.0, "p_down": 0.1}
+    for _ in range(8):
+        regress.main(args)  # a whole window of high readings
+    f = floors(regress)["k_up"]
+    assert f["floor"] == 0.5 and f["cpu_floors"] == {"Test CPU": 0.5}
+    monkeypatch.setattr(regress, "cpu_name", lambda: "Slow CPU")
+    regress.readings["values"] = {"k_up": 0.3, "p_down": 0.1}
+    for _ in range(3):
+        regress.main(args)  # below the cap: the readings rule
+    f = floors(regress)["k_up"]
+    assert f["floor"] == pytest.approx(0.255) and f["cpu_floors"]["Slow CPU"] == pytest.approx(0.255)
+    assert regress.lowering_caps({"lowered": [{"to": 0.5, "cpu_floors_at_most": 0.7}, {"to": 0.4}]}, True) == (0.4, 0.4)
+    assert regress.lowering_caps({"lowered": [{"to": 0.5, "cpu_floors_at_most": 0.7}]}, False) == (0.5, 0.7)
+    assert regress.lowering_caps({}, True) == (None, None)
+
+
 def test_floors_are_chosen_by_the_kernel_path_the_cpu_runs(regress):
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
     assert regress.cpu_class(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}) == "amx"  # Sapphire Rapids

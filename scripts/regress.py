@@ -13,23 +13,31 @@ kernel_vs_limit where the expert is compute-bound) is printed and recorded, neve
 
     python scripts/regress.py --quick          # CI: tiny model + one Mixtral-size expert (a few minutes)
     python scripts/regress.py                  # small_mixtral, more rounds
-    python scripts/regress.py --quick --update # record this run's readings; raise floors they support
+    python scripts/regress.py --quick --update # record this run's readings; derive the floors from them
     python scripts/regress.py --quick --update -k planner  # only the selected ratios (a new benchmark's first floors)
     python scripts/regress.py --lower kernel_vs_limit_t1=0.7 --reason "why" [--quick]
     python scripts/regress.py --quick --measure kernel_vs_limit_t1 --node 'benchmarks/test_kernel_ratios.py::test_kernel[1]' \
         [--root TREE]                          # one JSON line of the ratios read, judged by nothing (scripts/ab.py)
 
---update keeps the last readings of every ratio, per CPU, in the file and raises a floor only to what
-the last UPDATE_WINDOW readings of every CPU with readings all support, less the margin (the file's,
-or the ratio's own): never to the latest reading alone, never down. Each CPU (model name, family and
-model) also gets its own floor by the same rule from its own readings ('cpu_floors'), and is judged by it
-once it has one; a CPU without one is judged by the class floor (so a new CPU, or a regression on one,
-still meets the class's floor or the side-by-side below). A ratio judged by the class floor (this CPU has no
-floor of its own) that crosses it is not measured again ratio by ratio: a re-reading would only confirm that
-this CPU is another one than those the class floor came from; it goes straight to the one side-by-side run
-below. Lowering a floor needs --lower with a --reason,
-which is stored next to the floor (and caps every CPU's own floor of that ratio). --update with -k records only the ratios read and never
-moves the reference build (a partial run cannot vouch for the floors it did not read).
+--update keeps the last HISTORY readings of every ratio, per CPU, in the file and derives each floor from
+them: on every CPU with readings, the window's low quantile (low_reading: the worst of 3-4 readings, the
+second worst of 5-8) less the margin (the file's, or the ratio's own); the class floor is the lowest of
+those over the CPUs, and this CPU needs UPDATE_WINDOW readings before it moves anything. The floor follows
+the window both ways (no ratchet): a few readings taken on a quiet machine, or beside a reference side that
+ran unusually slow, once set floors that no normal run reached (min of the last 3 less the margin, only
+rising: engine_decode_vs_transformers on a Zen 4 at 30.8 against CI readings of 6.5), while one reading
+of a busy moment among five or more moves nothing. A floor that gets looser is printed as such by --update,
+and the file's diff shows it. Each CPU (model name, family and model) also gets its own floor by the same rule
+from its own readings ('cpu_floors'), and is judged by it once it has one; a CPU without one is judged by
+the class floor (so a new CPU, or a regression on one, still meets the class's floor or the side-by-side
+below). A ratio judged by the class floor (this CPU has no floor of its own) that crosses it is not
+measured again ratio by ratio: a re-reading would only confirm that this CPU is another one than those the
+class floor came from; it goes straight to the one side-by-side run below. Lowering a floor below what its readings support needs --lower with a --reason, which is stored
+next to the floor and caps the floors --update derives from then on (the class floor at the lowering's
+'to', every CPU's own at its 'cpu_floors_at_most': lowering_caps) until the entry is removed from the file:
+readings taken beside busy neighbours can sit above every quiet run (engine_decode_vs_transformers on a
+2-vCPU Zen 4 read 15-142 under other sessions' load, 6.5 in CI), and no rule over them finds that level. --update with -k records only the ratios read and never moves the reference build (a
+partial run cannot vouch for the floors it did not read).
 A ratio measured on another kernel path than its recorded readings on this CPU ran (a fallback, which
 a floor sized for noise may not tell apart) fails at once, whatever its value.
 A ratio that crosses its floor is measured again (its benchmark alone, with twice the rounds), up to
@@ -71,8 +79,9 @@ from ab import verdict as ab_verdict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ROOT / "results" / "regression" / "floors.yaml"
-UPDATE_WINDOW = 3  # readings a raised floor must be supported by
-HISTORY = 8  # readings kept per ratio
+UPDATE_WINDOW = 3  # readings a CPU needs before a floor is derived from them
+HISTORY = 8  # readings kept per ratio and CPU: the window a floor is derived from
+FLOOR_QUANTILE = 0.25  # a floor sits the margin below this low quantile of the window (low_reading)
 CONFIRM_PAUSES_S = (0, 45, 90)  # a crossing ratio is re-measured after each pause until one reading clears
 AB_ROUNDS = min_rounds()  # rounds of the side-by-side check: the fewest with which ab.verdict can tell
 AB_TOLERANCE = 0.10  # this build may read this much worse than the reference build, side by side
@@ -149,6 +158,15 @@ def machine_state(since: tuple[int, int] | None) -> str:
     return ", ".join(parts) or "machine state unknown"
 
 
+def load_per_cpu() -> float | None:
+    """The 1-min load average over the CPU count, recorded with each reading: a note of how busy the machine
+    was (a ratio whose sides a busy neighbour slows unequally reads another level then), not used by the rule."""
+    try:
+        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+    except OSError:
+        return None
+
+
 def run_suite(quick: bool, select: str | None, nodes: list[str] | None = None,
               rounds: int | None = None, root: Path = ROOT) -> tuple[list[dict], list[dict], int]:
     """Runs benchmarks/ of the tree at `root` (or only the given test node ids, relative to it; `rounds`
@@ -183,9 +201,11 @@ def load_floors() -> dict:
 
 def save_floors(data: dict) -> None:
     header = ("# Floors of scripts/regress.py (see its docstring): per CPU class, per ratio. 'readings' are the\n"
-              "# last measurements recorded with --update; 'floor' only rises (to the minimum of the last\n"
-              f"# {UPDATE_WINDOW} readings less the margin); 'cpu_floors' are each CPU's own, by the same rule from its\n"
-              "# readings alone; 'lowered' keeps every explicit lowering and its reason.\n")
+              f"# last {HISTORY} measurements per CPU recorded with --update (with the 1-min load per CPU then, where\n"
+              "# recorded); 'floor' is derived from them at each --update (each CPU's low quantile of its readings\n"
+              "# less the margin, the lowest over the CPUs); 'cpu_floors' are each CPU's own, by the same rule from\n"
+              "# its readings alone; 'lowered' keeps every explicit lowering and its reason, and caps the derived\n"
+              "# floors until it is removed.\n")
     FLOORS.parent.mkdir(parents=True, exist_ok=True)
     tmp = FLOORS.with_suffix(".tmp")
     tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, width=110))
@@ -355,12 +375,33 @@ def floors_of(data: dict, cls: str, mode: str, create: bool = False) -> dict:
     return (data.get("classes", {}).get(cls) or {}).get(mode) or {}
 
 
-def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
-    """Appends this run's readings and raises every floor the readings support: on each CPU that has
-    readings, the worst of its last UPDATE_WINDOW ones, less the margin; the floor is the lowest of
-    those over the CPUs (a class holds different CPUs, e.g. Intel with AMX and AMD Zen 5, and must
-    pass on all of them), and this CPU needs UPDATE_WINDOW readings before it moves anything. This CPU's
-    own floor ('cpu_floors') rises by the same rule from its readings alone."""
+def low_reading(values: list[float], higher: bool) -> float:
+    """The window's low quantile (FLOOR_QUANTILE), a reading itself: the one at rank floor(q (n - 1)) from the
+    worst end, so the worst of 3-4 readings and the second worst of 5-8. One reading of a busy moment among
+    five does not set the floor; a few readings far above the rest (a quiet machine, or a reference side that
+    ran unusually slow) do not lift it above what the normal runs read."""
+    ranked = sorted(values, reverse=not higher)
+    return ranked[int(FLOOR_QUANTILE * (len(ranked) - 1))]
+
+
+def lowering_caps(e: dict, higher: bool) -> tuple[float | None, float | None]:
+    """(class cap, every CPU's own cap) of a ratio's --lower entries: a lowering says the readings overstate
+    the level a normal run reaches (they were taken beside busy neighbours, or on another build), so the
+    floors derived from them stay at or below it until the entry is removed from the file."""
+    pick = min if higher else max
+    tos = [x["to"] for x in e.get("lowered") or [] if x.get("to") is not None]
+    cpus = [x.get("cpu_floors_at_most", x.get("to")) for x in e.get("lowered") or []]
+    cpus = [c for c in cpus if c is not None]
+    return (pick(tos) if tos else None), (pick(cpus) if cpus else None)
+
+
+def update(data: dict, table: dict, ratios: list[dict], load: float | None = None) -> list[str]:
+    """Appends this run's readings (with the load per CPU they were taken at), keeps each CPU's last HISTORY, and derives every floor they support: on
+    each CPU that has readings, low_reading of its window less the margin; the floor is the lowest of those
+    over the CPUs (a class holds different CPUs, e.g. Intel with AMX and AMD Zen 5, and must pass on all of
+    them), and this CPU needs UPDATE_WINDOW readings before it moves anything. This CPU's own floor
+    ('cpu_floors') comes by the same rule from its readings alone. A floor follows its window both ways:
+    a derived floor looser than the old one is recorded and printed as such."""
     today = _dt.date.today().isoformat()
     me = reading_cpu()
     changes = []
@@ -370,12 +411,11 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
         if r.get("margin") is not None and "margin" not in e:
             e["margin"] = r["margin"]  # the benchmark's own margin (noisier ratios), kept once set
         readings = (e.get("readings") or []) + [
-            {"value": round(r["value"], 5), "date": today, "cpu": me, "path": r.get("path")}]
-        by_cpu: dict[str, list[float]] = {}
+            {"value": round(r["value"], 5), "date": today, "cpu": me, "path": r.get("path"), "load": load}]
+        count: dict[str, int] = {}
         for x in readings:
-            by_cpu.setdefault(x["cpu"], []).append(x["value"])
-        # keep the last HISTORY readings of every CPU
-        keep = {c: len(v) - HISTORY for c, v in by_cpu.items()}
+            count[x["cpu"]] = count.get(x["cpu"], 0) + 1
+        keep = {c: n - HISTORY for c, n in count.items()}  # keep the last HISTORY readings of every CPU
         kept = []
         for x in readings:
             if keep[x["cpu"]] > 0:
@@ -383,25 +423,34 @@ def update(data: dict, table: dict, ratios: list[dict]) -> list[str]:
             else:
                 kept.append(x)
         e["readings"] = kept
+        by_cpu: dict[str, list[float]] = {}
+        for x in kept:
+            by_cpu.setdefault(x["cpu"], []).append(x["value"])
         if len(by_cpu[me]) < UPDATE_WINDOW or r.get("report_only"):
             continue
         margin = float(e.get("margin", data.get("margin", 0.15)))
         higher = r["direction"] == "higher"
-        worst = {c: min(v[-UPDATE_WINDOW:]) if higher else max(v[-UPDATE_WINDOW:]) for c, v in by_cpu.items()}
+        low = {c: low_reading(v, higher) for c, v in by_cpu.items()}
         bound = (lambda w: round(w * (1 - margin), 4)) if higher else (lambda w: round(w * (1 + margin), 6))
-        rises = (lambda new, old: old is None or (new > old if higher else new < old))
-        cand = bound(min(worst.values()) if higher else max(worst.values()))
-        if rises(cand, e["floor"]):
-            changes.append(f"{r['name']}: {e['floor']} -> {cand}")
-            e["floor"] = cand
+
+        def moved(what: str, old, new) -> None:
+            if new != old:
+                looser = old is not None and (new < old if higher else new > old)
+                changes.append(f"{what}: {old} -> {new}" + (" (looser: the window's readings support no more)"
+                                                            if looser else ""))
+
+        capped = (lambda v, cap: v if cap is None else (min(v, cap) if higher else max(v, cap)))
+        class_cap, cpu_cap = lowering_caps(e, higher)
+        cand = capped(bound(min(low.values()) if higher else max(low.values())), class_cap)
+        moved(r["name"], e["floor"], cand)
+        e["floor"] = cand
         # this CPU's own floor, by the same rule from its readings alone: judged by it, a CPU slower
         # than the class's others at a ratio (Zen 5's bf16 compute against Intel's) is not measured
         # again and side by side at every run, and a faster one is held to its own level
         own = e.setdefault("cpu_floors", {})
-        mine = bound(worst[me])
-        if rises(mine, own.get(me)):
-            changes.append(f"{r['name']} on {me}: {own.get(me)} -> {mine}")
-            own[me] = mine
+        mine = capped(bound(low[me]), cpu_cap)
+        moved(f"{r['name']} on {me}", own.get(me), mine)
+        own[me] = mine
     return changes
 
 
@@ -477,7 +526,7 @@ def measure(names: str, quick: bool, select: str | None, nodes: list[str] | None
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the CI subset (tiny model, one Mixtral-size expert)")
-    ap.add_argument("--update", action="store_true", help="record the readings and raise the floors they support")
+    ap.add_argument("--update", action="store_true", help="record the readings and derive the floors from them")
     ap.add_argument("--lower", metavar="NAME=VALUE", help="lower one floor (needs --reason); runs nothing")
     ap.add_argument("--reason", help="why a floor is lowered (stored in the file)")
     ap.add_argument("-k", dest="select", help="only the benchmarks pytest -k selects (with --update: records only "
@@ -509,7 +558,7 @@ def main(argv=None) -> int:
         return 0
     since = cpu_times()
     ratios, skipped, rc = run_suite(args.quick, args.select)
-    state = machine_state(since)
+    state, load = machine_state(since), load_per_cpu()
     if rc not in (0, 5) or not ratios:  # 5: no tests collected (-k matched nothing)
         print(f"regress: the benchmark suite failed (pytest exit {rc}); no ratio is judged", file=sys.stderr)
         return 2
@@ -524,7 +573,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"class": cls, "cpu": cpu_name(), "rows": rows, "skipped": skipped},
                                               indent=1))
     if args.update:
-        for c in update(data, floors_of(data, cls, mode, create=True), ratios) or ["no floor changed"]:
+        for c in update(data, floors_of(data, cls, mode, create=True), ratios, load) or ["no floor changed"]:
             print("update:", c)
         print("update:", "reference build unchanged (-k: a partial run)" if args.select
               else set_reference(data, [r["name"] for r in rows if r["status"] == "FAIL"]))

@@ -87,7 +87,7 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
     d = tmp_path / "D"
     res = run_py("system=fiddler", "model=tiny_mixtral", "workload=serving", "workload.concurrency=[1,3]",
                  "workload.requests_per_stream=4", "workload.input_lens=[24]", "workload.output_lens=[8]",
-                 "workload.rates=[8]", "workload.rate_search=2", "workload.shared_prefix_len=16",
+                 "workload.rates=[8]", "workload.rate_search=1", "workload.shared_prefix_len=16",
                  f"hydra.run.dir={d}", f"run.index_path={tmp_path / 'i.jsonl'}", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
@@ -106,7 +106,9 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
     assert "Poisson arrivals at 8 requests/s" in recs[1]["serving"]["profile"]
     search = recs[2]["serving"]["rate_search"]
     assert search["capacity_req_s"] == recs[2]["metrics"]["request_throughput"]
-    assert search["trials"][0]["rate"] == search["capacity_req_s"] and len(search["trials"]) <= 2
+    # one rate, the capacity: where the search goes from there is tests/test_rate_search.py's (injected p99s);
+    # a second 64-request trial here ran the same code again for about a third of this test's time
+    assert [t["rate"] for t in search["trials"]] == [search["capacity_req_s"]]
     assert all(t["requests"] == 64 for t in search["trials"])
     assert [s["name"] for s in search["slos"]] == ["mlperf", "scaled"]
     assert search["slos"][1]["ttft_p99_s"] == pytest.approx(3.0 * recs[0]["metrics"]["ttft_p50_s"])

@@ -104,7 +104,7 @@ class WorkloadConfig:
     # None: seeded synthetic token ids (the same for every system); else a text file whose
     # tokens (by the model's tokenizer) are cycled to each input length
     prompt_file: Optional[str] = None
-    # workload=serving (runners/serving.py): a non-empty list makes this a serving workload, measured by
+    # workload=serving (runners/serving/workload.py): a non-empty list makes this a serving workload, measured by
     # guidellm against the system's server at each number of concurrent streams
     concurrency: List[int] = field(default_factory=list)
     requests_per_stream: int = 4  # guidellm sends concurrency x this many requests per level
@@ -208,7 +208,7 @@ def check_arch(arch: Dict[str, Any], prefix: str = "model.arch") -> None:
 class Mode(Enum):
     execute = "execute"
     simulate = "simulate"
-    serve = "serve"  # start the system's OpenAI-compatible server on the model until SIGTERM (runners/serve.py)
+    serve = "serve"  # start the system's OpenAI-compatible server on the model until SIGTERM (runners/serving/serve.py)
 
 
 class Isolation(Enum):

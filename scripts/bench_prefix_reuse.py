@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runners.server_process import ServerProcess  # noqa: E402
-from runners.serving import free_port  # noqa: E402
+from runners.serving.process import ServerProcess  # noqa: E402
+from runners.serving.workload import free_port  # noqa: E402
 
 
 def prompts(vocab: int, prefix: int, suffix: int, n: int, seed: int) -> tuple[list[int], list[list[int]]]:

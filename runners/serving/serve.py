@@ -6,7 +6,7 @@ in a child process with the environment the system declares; the adapter says ho
 (SystemAdapter.server_command). A system that cannot serve here prints `skipped` with the reason, writes
 it to the run folder (serve.json) and exits 0, as a skipped measurement does.
 
-The child is started and stopped by runners/server_process.py: it never outlives this process (even
+The child is started and stopped by runners/serving/process.py: it never outlives this process (even
 SIGKILLed), `ready:` means the server started here answered, and a failed start (a taken port: exit 2, as a
 bad key; an early exit or a load failure /health reports: exit 1) is said at once, with the reason, in the
 output and in serve.json.
@@ -22,10 +22,10 @@ from typing import Any
 
 from systems.base import ModelSpec, RunContext, SystemUnavailable
 
-from .main import prepare, resolve_model_path
-from .schema import ConfigError
-from .server_process import PortUnavailable, ServerFailed, ServerProcess, server_environment
-from .session import load_adapter_class
+from ..main import prepare, resolve_model_path
+from ..schema import ConfigError
+from .process import PortUnavailable, ServerFailed, ServerProcess, server_environment
+from ..session import load_adapter_class
 
 
 def _context(conf, resolved: dict) -> RunContext:

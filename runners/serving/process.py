@@ -242,7 +242,7 @@ class ServerProcess:
 
 def server_environment(adapter, serve) -> dict[str, str]:
     """The server's environment: this process's, the system's process_env and server_env(serve), and
-    serve.api_key under the variable the system's server reads it from (runners/api_key.py: never on its
+    serve.api_key under the variable the system's server reads it from (runners/serving/api_key.py: never on its
     command line). SystemUnavailable where a key is set and the server takes none."""
     env = {**os.environ, **type(adapter).process_env, **adapter.server_env(serve)}
     if serve.api_key:

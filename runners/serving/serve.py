@@ -20,21 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from systems.base import ModelSpec, RunContext, SystemUnavailable
+from systems.base import ModelSpec, SystemUnavailable
 
 from ..main import prepare, resolve_model_path
 from ..schema import ConfigError
-from .process import PortUnavailable, ServerFailed, ServerProcess, server_environment
+from .process import PortUnavailable, ServerFailed, ServerProcess, server_context, server_environment
 from ..session import load_adapter_class
-
-
-def _context(conf, resolved: dict) -> RunContext:
-    import torch
-
-    env = resolved["environment"]
-    return RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
-                      has_cuda=torch.cuda.is_available(), cache_dir=str(Path(resolved["cache_dir"]).expanduser()),
-                      environment=env, max_seq_len=conf.serve.max_seq_len, max_batch=conf.serve.slots)
 
 
 def serve(cfg, run_dir: Path) -> int:
@@ -50,7 +41,8 @@ def serve(cfg, run_dir: Path) -> int:
     try:
         model_path = resolve_model_path(conf)
         cls = load_adapter_class(conf.system.adapter)
-        adapter = cls(conf.system, ModelSpec(conf.model.name, model_path, conf.model.dtype.value), _context(conf, resolved))
+        adapter = cls(conf.system, ModelSpec(conf.model.name, model_path, conf.model.dtype.value),
+                      server_context(resolved["environment"], resolved["cache_dir"], s))
         cmd = adapter.server_command(s)
         env = server_environment(adapter, s)
     except SystemUnavailable as e:

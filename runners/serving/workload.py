@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from systems.base import ModelSpec, RunContext, SystemUnavailable
+from systems.base import ModelSpec, SystemUnavailable
 
 from . import process
 from . import rate_search
@@ -211,19 +211,13 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
             yield base_record(job, i, "skipped", "guidellm is not installed: pip install -e '.[serving]'")
         return
     cfg = job.config
-    env = cfg["environment"]
-    import torch
-
-
     points = [job.points[i] for i in todo]
     prompt_len = w.shared_prefix_len + max(p["input_len"] for p in points)
     slots = max(conf.serve.slots, *(w.concurrency or [1]))
     serve = replace(conf.serve, host="127.0.0.1", port=free_port(), slots=slots,
                     max_seq_len=prompt_len + max(p["output_len"] for p in points) + 8)
     serve = replace(serve, token_budget=max(serve.token_budget, serve.slots))
-    ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
-                     has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cfg["cache_dir"]).expanduser()),
-                     environment=env, max_seq_len=serve.max_seq_len, max_batch=serve.slots)
+    ctx = process.server_context(cfg["environment"], cfg["cache_dir"], serve)
     try:
         cls = load_adapter_class(job.system["adapter"])
         adapter = cls(job.system_config, ModelSpec(cfg["model"]["name"], job.model_path, cfg["model"]["dtype"]), ctx)

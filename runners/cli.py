@@ -31,11 +31,11 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     sweep = hc.mode == RunMode.MULTIRUN
     callbacks.clear_job_error(run_dir)
-    if getattr(cfg.get("mode"), "value", cfg.get("mode")) == "serve":  # one server until SIGTERM, no measurement (runners/serve.py)
+    if getattr(cfg.get("mode"), "value", cfg.get("mode")) == "serve":  # one server until SIGTERM, no measurement (runners/serving/serve.py)
         if sweep:
             print("error: mode=serve starts one server; it takes no -m sweep", file=sys.stderr)
             sys.exit(2)
-        from runners.serve import serve
+        from runners.serving.serve import serve
 
         try:
             sys.exit(serve(cfg, run_dir))
@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> None:
 def run() -> None:
     """`python run.py ...` and the console script `fiddler-bench ...` (pyproject.toml): main() with the exit
     statuses of runners/cli_help.py EXIT_CODES."""
-    from runners.api_key import literal_on_command_line
+    from runners.serving.api_key import literal_on_command_line
 
     problem = literal_on_command_line(sys.argv[1:])
     if problem:  # before Hydra writes the overrides down

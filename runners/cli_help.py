@@ -46,7 +46,12 @@ def _summary(path: Path, width: int = 90) -> str:
 
 def _first_sentence(words: list[str], width: int = 90) -> str:
     sentence = " ".join(words)
-    end = sentence.find(". ")
+    depth, end = 0, -1
+    for i, ch in enumerate(sentence):  # ". " outside parentheses: "(the paper's Fig. 6)" goes on
+        depth += (ch == "(") - (ch == ")")
+        if depth <= 0 and sentence.startswith(". ", i):
+            end = i
+            break
     sentence = sentence if end < 0 else sentence[:end + 1]
     return sentence if len(sentence) <= width else sentence[:width - 3].rsplit(" ", 1)[0] + "..."
 

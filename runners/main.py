@@ -15,7 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from systems.base import SystemUnavailable
-from runners import api_key, identity, preflight, records, tables
+from runners import identity, preflight, records, tables
+from runners.serving import api_key
 from runners.checkpoint import verify_checkpoint, verify_config_json
 from runners.schema import Config, ConfigError, Isolation, Mode, validate
 from runners.session import Job, Session, base_record, load_adapter_class
@@ -205,7 +206,7 @@ def _say_why_not_resumed(other: dict[str, int]) -> None:
 
 def _measure(job: Job, todo: list[int], conf: Config, progress, current: list):
     if conf.workload.concurrency or conf.workload.rates:  # a serving workload: guidellm against the system's server
-        from runners.serving import measure_all
+        from runners.serving.workload import measure_all
 
         yield from measure_all(job, todo, conf, progress, current)
         return

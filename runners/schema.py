@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from fiddler.server.__main__ import SIZE, SIZES
 from systems.base import ConfigError, simulated_budget
 from systems.registry import system_classes
 from systems.base import check as _check
@@ -104,7 +105,7 @@ class WorkloadConfig:
     # None: seeded synthetic token ids (the same for every system); else a text file whose
     # tokens (by the model's tokenizer) are cycled to each input length
     prompt_file: Optional[str] = None
-    # workload=serving (runners/serving.py): a non-empty list makes this a serving workload, measured by
+    # workload=serving (runners/serving/workload.py): a non-empty list makes this a serving workload, measured by
     # guidellm against the system's server at each number of concurrent streams
     concurrency: List[int] = field(default_factory=list)
     requests_per_stream: int = 4  # guidellm sends concurrency x this many requests per level
@@ -208,7 +209,7 @@ def check_arch(arch: Dict[str, Any], prefix: str = "model.arch") -> None:
 class Mode(Enum):
     execute = "execute"
     simulate = "simulate"
-    serve = "serve"  # start the system's OpenAI-compatible server on the model until SIGTERM (runners/serve.py)
+    serve = "serve"  # start the system's OpenAI-compatible server on the model until SIGTERM (runners/serving/serve.py)
 
 
 class Isolation(Enum):
@@ -296,31 +297,35 @@ class SimConfig:
 
 @dataclass
 class ServeConfig:
-    """mode=serve: where the system's server listens and how the engine's batch loop is sized."""
+    """mode=serve and workload=serving: where the system's server listens and how its batch loop is sized.
+    The sizes' defaults, meanings and least values are fiddler.server's (fiddler/server/__main__.py SIZES: slots,
+    max_queue, token_budget, drain_timeout_s, prefix_cache_mb), written there once; every system's server gets
+    them (llama.cpp's llama_cpp.server runs one slot)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
-    slots: int = 8  # requests decoded at once (fiddler's KV-cache rows; llama.cpp's server runs one)
-    max_queue: int = 256
-    token_budget: int = 512  # tokens per engine step (chunked prefill)
+    slots: int = SIZE["slots"].default
+    max_queue: int = SIZE["max_queue"].default
+    token_budget: int = SIZE["token_budget"].default
     max_seq_len: int = 4096  # positions per slot (clipped to the model's context)
-    drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
-    # MiB of prompts' KV entries fiddler.server keeps for prefix reuse (--prefix-cache-mb; 0: off)
-    prefix_cache_mb: float = 0.0
+    drain_timeout_s: float = SIZE["drain_timeout_s"].default
+    prefix_cache_mb: float = SIZE["prefix_cache_mb"].default
     # the key the server asks clients for (Authorization: Bearer), handed to it in its environment; from
-    # FIDDLER_API_KEY by default, never a literal on the command line (runners/secrets.py), never in records
+    # FIDDLER_API_KEY by default, never a literal on the command line (runners/serving/api_key.py), never in records
     api_key: Optional[str] = "${oc.env:FIDDLER_API_KEY,null}"
     ready_timeout_s: float = 900.0  # for the server to load and answer /health
 
     def __post_init__(self) -> None:
         _check(lambda: 0 < self.port < 65536, "serve.port", self.port, "an integer in 1..65535")
-        for key in ("slots", "token_budget", "max_seq_len"):
-            _check(lambda: getattr(self, key) >= 1, f"serve.{key}", getattr(self, key), "an integer >= 1")
-        _check(lambda: self.max_queue >= 0, "serve.max_queue", self.max_queue, "an integer >= 0")
+        _check(lambda: self.max_seq_len >= 1, "serve.max_seq_len", self.max_seq_len, "an integer >= 1")
+        for s in SIZES:  # the server's least values
+            value = getattr(self, s.key)
+            if s.type is int:
+                _check(lambda: value >= s.minimum, f"serve.{s.key}", value, f"an integer >= {s.minimum:g}")
+            else:
+                _check_number(f"serve.{s.key}", value, s.minimum)
         _check(lambda: self.token_budget >= self.slots, "serve.token_budget", self.token_budget,
                f"an integer >= serve.slots ({self.slots})")
-        _check_number("serve.drain_timeout_s", self.drain_timeout_s)
-        _check_number("serve.prefix_cache_mb", self.prefix_cache_mb)
         _check_number("serve.ready_timeout_s", self.ready_timeout_s, above=True)
 
 

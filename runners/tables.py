@@ -21,7 +21,7 @@ from runners.records import atomic_write_text
 
 KEYS = ["system", "variant", "model", "workload", "environment", "provenance", "mode", "input", "output", "beam",
         "streams", "rate"]
-# serving records (workload=serving, runners/serving.py): these columns, vLLM's definitions, in the table when any
+# serving records (workload=serving, runners/serving/workload.py): these columns, vLLM's definitions, in the table when any
 # row has them
 SERVING = [("max_rate_scaled_slo", "max rate scaled SLO req/s", 3), ("max_rate_mlperf_slo", "max rate MLPerf SLO req/s", 3),
            ("requests", "N", 0), ("request_throughput", "req/s", 2), ("output_tok_s", "out tok/s", 1), ("goodput", "goodput req/s", 2),

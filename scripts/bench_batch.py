@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from fiddler.batch import BatchEngine  # noqa: E402
 from fiddler.hardware import cpu_description  # noqa: E402
+from fiddler.server.__main__ import SIZE  # noqa: E402  (the server's sizes, written once)
 from runners.concurrency import prompts, timed_concurrent  # noqa: E402
 from runners.models import synthetic_model  # noqa: E402
 
@@ -35,7 +36,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    ap.add_argument("--token-budget", type=int, default=SIZE["token_budget"].default, help=SIZE["token_budget"].help)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=pathlib.Path, default=None, help="write the results here")
     args = ap.parse_args()

@@ -31,7 +31,8 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
+
+from fiddler.executors import ExpertWeights, torch_expert  # the library's SwiGLU in torch: the reference
 
 TOKENS = (1, 4, 16, 64, 256, 512)
 
@@ -88,10 +89,6 @@ class KtExperts:
         return out
 
 
-def torch_expert(x, w1, w3, w2):
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-
-
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
@@ -132,7 +129,7 @@ def main(argv=None) -> int:
     for t in args.tokens:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
         out_ours, out_kt = torch.empty(t, h, dtype=torch.bfloat16), torch.empty(t, h, dtype=torch.bfloat16)
-        ref = torch_expert(x, *weights[0])
+        ref = torch_expert(ExpertWeights(*weights[0]), x)
         errs = {"fiddler": rel_err(ours[0].forward(x, out=out_ours), ref),
                 "kt": rel_err(kt.forward(0, x, out_kt), ref)}
         best = {"fiddler": float("inf"), "kt": float("inf")}

@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runners.server_process import ServerProcess  # noqa: E402
-from runners.serving import free_port  # noqa: E402
+from fiddler.server.__main__ import SIZE  # noqa: E402  (the server's sizes, written once)
+from runners.serving.process import ServerProcess  # noqa: E402
+from runners.serving.workload import free_port  # noqa: E402
 
 
 def prompts(vocab: int, prefix: int, suffix: int, n: int, seed: int) -> tuple[list[int], list[list[int]]]:
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--token-budget", type=int, default=512)
+    ap.add_argument("--token-budget", type=int, default=SIZE["token_budget"].default, help=SIZE["token_budget"].help)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cache-mb", type=float, default=256)
     ap.add_argument("--rounds", type=int, default=2)

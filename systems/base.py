@@ -225,7 +225,7 @@ class SystemAdapter(abc.ABC):
     def close(self) -> None:
         """Release memory (called once after the last configuration of this system)."""
 
-    #: the route mode=serve polls until it answers 200 (runners/serve.py)
+    #: the route mode=serve polls until it answers 200 (runners/serving/serve.py)
     server_health_path = "/health"
 
     def server_command(self, serve) -> list[str]:

@@ -40,3 +40,51 @@ def test_the_server_parses_the_command_the_config_derives(tmp_path, overrides):
     # every option of the table is a flag of the server, with the table's default
     defaults = parse_args(["--model", str(model)])
     assert {o.name: getattr(defaults, o.name) for o in options.OPTIONS} == {o.name: o.default for o in options.OPTIONS}
+
+
+def _model(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    return model
+
+
+@pytest.mark.parametrize("sizes", [{}, {"slots": 3, "max_queue": 0, "token_budget": 64, "drain_timeout_s": 2.5,
+                                        "prefix_cache_mb": 16.0}])
+def test_the_serve_sizes_are_the_servers(tmp_path, sizes):
+    """serve.slots, max_queue, token_budget, drain_timeout_s and prefix_cache_mb are written once, in the server's
+    SIZES: the harness's defaults are the server's, and the command the adapter derives parses back to them."""
+    from fiddler.server.__main__ import SIZES
+
+    model = _model(tmp_path)
+    assert {s.key: getattr(ServeConfig(), s.key) for s in SIZES} == {s.key: s.default for s in SIZES}
+    serve = ServeConfig(**sizes)
+    ctx = RunContext(threads=2, gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(tmp_path / "cache"))
+    cmd = FiddlerAdapter(FiddlerConfig.build(), ModelSpec("tiny_mixtral", str(model)), ctx).server_command(serve)
+    args = parse_args(cmd[3:])
+    assert {s.key: getattr(args, s.dest) for s in SIZES} == {s.key: getattr(serve, s.key) for s in SIZES}
+    assert args.max_seq_len == serve.max_seq_len
+
+
+@pytest.mark.parametrize("flag,value,key", [("--slots", "0", "slots"), ("--max-queue", "-1", "max_queue"),
+                                            ("--drain-timeout", "-1", "drain_timeout_s")])
+def test_the_server_and_the_harness_refuse_the_same_sizes(tmp_path, flag, value, key):
+    from systems.base import ConfigError
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(_model(tmp_path)), flag, value])
+    with pytest.raises(ConfigError, match=f"serve.{key}"):
+        ServeConfig(**{key: float(value) if key == "drain_timeout_s" else int(value)})
+
+
+def test_the_batch_engines_own_defaults_agree_with_the_servers():
+    """BatchEngine.from_pretrained keeps keyword defaults of its own (the library's API, fiddler/batch/engine.py);
+    the server always passes its sizes, and this keeps the two from drifting apart."""
+    import inspect
+
+    from fiddler.batch import BatchEngine
+    from fiddler.server.__main__ import SIZE
+
+    params = inspect.signature(BatchEngine.from_pretrained).parameters
+    assert {k: params[k].default for k in ("slots", "max_queue", "token_budget")} == \
+        {k: SIZE[k].default for k in ("slots", "max_queue", "token_budget")}

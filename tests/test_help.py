@@ -41,3 +41,9 @@ def test_a_new_option_appears_with_the_first_sentence_of_its_comment(tmp_path):
     assert "  toy" in text and "A toy model." in text and "More words" not in text
     assert "  fiddler_original" in text and "The released Fiddler as the paper ran it" in text  # a class's docstring
     assert "Costs $$5: a toy." in text  # doubled for Hydra's string.Template, which prints it once
+
+
+def test_a_period_inside_parentheses_does_not_end_the_sentence():
+    words = "Beam search (the paper's Fig. 6 setting): widths 4..16. Then more.".split()
+    assert cli_help._first_sentence(words) == "Beam search (the paper's Fig. 6 setting): widths 4..16."
+    assert cli_help._first_sentence("One. Two.".split()) == "One."

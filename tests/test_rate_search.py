@@ -1,4 +1,4 @@
-"""The rate search (runners/rate_search.py) and its limits (runners/serving.py), on injected measurements: a
+"""The rate search (runners/serving/rate_search.py) and its limits (runners/serving/workload.py), on injected measurements: a
 fake server whose p99s grow with the rate as a queue's do, so the answers are known exactly. No timing is
 measured here."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runners import rate_search
-from runners.rate_search import Bracket, Slo, Trial, search
-from runners.serving import slos
+from runners.serving import rate_search
+from runners.serving.rate_search import Bracket, Slo, Trial, search
+from runners.serving.workload import slos
 
 
 def fake_server(knee: float, base_ttft: float = 0.1, base_tpot: float = 0.02):

@@ -1,4 +1,4 @@
-"""`python run.py mode=serve system=S model=M`: the system's server on the model, until SIGTERM (runners/serve.py),
+"""`python run.py mode=serve system=S model=M`: the system's server on the model, until SIGTERM (runners/serving/serve.py),
 in a subprocess on 127.0.0.1; a system without a server here is `skipped` with its reason; bad serve.* keys
 are refused before anything starts. Every server started here is stopped, bounded in time."""
 

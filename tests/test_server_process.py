@@ -1,4 +1,4 @@
-"""runners/server_process.py, the one place that starts and stops the run's child processes (servers, the load
+"""runners/serving/process.py, the one place that starts and stops the run's child processes (servers, the load
 generator): they die with the run even on SIGKILL, stopping one stops every process it started, and a server is
 ready only when the answer comes from it. Small stand-in children on 127.0.0.1; every one is killed in `finally`."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 import psutil
 import pytest
 
-from runners import server_process
-from runners.server_process import PortUnavailable, ServerFailed, ServerProcess
+from runners.serving import process
+from runners.serving.process import PortUnavailable, ServerFailed, ServerProcess
 from tests.test_server import free_port
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -31,7 +31,7 @@ def test_a_child_and_what_it_started_die_with_the_parent_even_on_sigkill():
     worker = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
     child = [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); "
                                    "time.sleep(600)"]
-    parent = subprocess.Popen([sys.executable, "-c", f"import sys, time; from runners.server_process import start; "
+    parent = subprocess.Popen([sys.executable, "-c", f"import sys, time; from runners.serving.process import start; "
                                f"print(start({child!r}).pid, flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     pids = []
@@ -53,11 +53,11 @@ def test_stop_ends_the_whole_group_also_what_the_child_left_behind():
     worker_code = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); time.sleep(600)"
     code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
             f"subprocess.Popen([sys.executable, '-c', {worker_code!r}]); time.sleep(600)")
-    proc = server_process.start([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = process.start([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     worker = None
     try:
         worker = psutil.Process(int(proc.stdout.readline()))
-        assert server_process.stop(proc, grace_s=30) == 0
+        assert process.stop(proc, grace_s=30) == 0
         gone, alive = psutil.wait_procs([worker], timeout=30)
         assert not alive
     finally:

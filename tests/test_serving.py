@@ -1,4 +1,4 @@
-"""workload=serving (runners/serving.py): metrics by vLLM's definitions from guidellm's per-request timings
+"""workload=serving (runners/serving/workload.py): metrics by vLLM's definitions from guidellm's per-request timings
 (checked on a report of known timings), the table's serving columns, the keys refused before anything runs,
 and `python run.py workload=serving` end to end with guidellm against the engine's server on the tiny model."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from runners import tables
-from runners.serving import guidellm_command, metrics_from_guidellm
+from runners.serving.workload import guidellm_command, metrics_from_guidellm
 from runners.workloads import Point, expand
 from tests.server_helpers import kill_all  # noqa: E402
 from tests.test_cli import run_py
@@ -143,16 +143,16 @@ def test_a_load_generator_that_times_out_leaves_no_process_behind(tmp_path, monk
 
     import psutil
 
-    from runners import serving
+    from runners.serving import workload
 
     pids_file = tmp_path / "pids"
     monkeypatch.setenv("FAKE_LOADGEN_PIDS", str(pids_file))
-    monkeypatch.setattr(serving, "guidellm_command", lambda: [sys.executable, str(Path(__file__).parent / "fake_loadgen.py")])
+    monkeypatch.setattr(workload, "guidellm_command", lambda: [sys.executable, str(Path(__file__).parent / "fake_loadgen.py")])
     point = {"concurrency": 1, "input_len": 8, "output_len": 4}
     procs = []
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            serving.run_guidellm("http://127.0.0.1:9", "m", point, 1, tmp_path / "out.json", timeout_s=5)
+            workload.run_guidellm("http://127.0.0.1:9", "m", point, 1, tmp_path / "out.json", timeout_s=5)
         deadline = time.monotonic() + 30
         while not pids_file.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -168,7 +168,7 @@ def test_a_load_generator_that_times_out_leaves_no_process_behind(tmp_path, monk
 def test_a_stopped_serving_run_leaves_no_process_behind(tmp_path, sig):
     """SIGTERM of a `workload=serving` run left five guidellm processes (a fork, three spawn workers, a resource
     tracker) alive under PID 1. Every process the run started is now gone when it exits, even of SIGKILL
-    (runners/server_process.py: parent-death signal, and a guard per process group)."""
+    (runners/serving/process.py: parent-death signal, and a guard per process group)."""
     import os
     import signal
     import subprocess

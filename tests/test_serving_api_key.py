@@ -1,4 +1,4 @@
-"""serve.api_key in the harness (runners/api_key.py): from the environment only, to the server in its
+"""serve.api_key in the harness (runners/serving/api_key.py): from the environment only, to the server in its
 environment and to guidellm in a private file, and never in a record, a log or the run folder."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runners.api_key import REDACTED, literal_on_command_line, redact, scrub
-from runners.server_process import server_environment
-from runners.serving import guidellm_command
+from runners.serving.api_key import REDACTED, literal_on_command_line, redact, scrub
+from runners.serving.process import server_environment
+from runners.serving.workload import guidellm_command
 from systems.base import SystemUnavailable
 from tests.test_cli import run_py
 

@@ -19,12 +19,53 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import options as engine_options
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see the README's "OpenMP" note
 API_KEY_ENV = "FIDDLER_API_KEY"
+
+
+@dataclass(frozen=True)
+class Size:
+    """One of the server's sizes, written once: its flag, default and least value here; the harness's
+    `serve.<key>` (runners/schema.py ServeConfig) takes the default from it and hands its value back through
+    the flag (`size_flags`)."""
+    key: str
+    flag: str
+    type: type
+    default: Any
+    minimum: float
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+SIZES = (
+    Size("slots", "--slots", int, 8, 1, "requests decoded at once (KV-cache rows)"),
+    Size("max_queue", "--max-queue", int, 256, 0, "requests waiting for a slot before 503s"),
+    Size("token_budget", "--token-budget", int, 512, 1, "tokens per engine step (chunked prefill)"),
+    Size("drain_timeout_s", "--drain-timeout", float, 30.0, 0, "seconds to finish in-flight requests on SIGTERM"),
+    Size("prefix_cache_mb", "--prefix-cache-mb", float, 0.0, 0,
+         "MiB of prompts' KV entries kept for reuse: a prompt starting with a cached prefix computes only the rest "
+         "(0: off)"),
+)
+SIZE = {s.key: s for s in SIZES}
+
+
+def size_flags(serve) -> list[str]:
+    """The flags giving the server `serve`'s sizes (an object with every Size's key), those at the server's
+    default left out."""
+    out: list[str] = []
+    for s in SIZES:
+        value = s.type(getattr(serve, s.key))
+        if value != s.default:
+            out += [s.flag, f"{value:g}" if s.type is float else str(value)]
+    return out
 
 
 def parse_args(argv=None):
@@ -35,18 +76,13 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     engine_options.add_arguments(ap)  # the engine's options, one table with the harness's system=fiddler
-    ap.add_argument("--slots", type=int, default=8, help="requests decoded at once (KV-cache rows)")
-    ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 503s")
-    ap.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    for s in SIZES:
+        ap.add_argument(s.flag, type=s.type, default=s.default, help=f"{s.help} (default: {s.default:g})")
     ap.add_argument("--api-key", default=None,
                     help=f"a key every route but /health needs as 'Authorization: Bearer <key>' (else 401); "
                          f"prefer the environment variable {API_KEY_ENV}, which ps and shell history do not show")
-    ap.add_argument("--prefix-cache-mb", type=float, default=0.0,
-                    help="MiB of prompts' KV entries kept for reuse: a prompt starting with a cached prefix computes "
-                         "only the rest (0: off)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="KV-cache positions per slot (default: min(context, 4096))")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     g = ap.add_argument_group("what a client may send")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413 (default 4 MiB)")
     g.add_argument("--allowed-hosts", default="",
@@ -70,11 +106,9 @@ def parse_args(argv=None):
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.api_key is not None and not args.api_key.strip():
         ap.error("--api-key is empty")
-    if not args.prefix_cache_mb >= 0:
-        ap.error("--prefix-cache-mb must be >= 0")
-    for name in ("slots", "max_queue", "token_budget"):
-        if getattr(args, name) < (0 if name == "max_queue" else 1):
-            ap.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_queue' else 1}")
+    for s in SIZES:
+        if not getattr(args, s.dest) >= s.minimum:
+            ap.error(f"{s.flag} must be >= {s.minimum:g}")
     if not 0 < args.port < 65536:
         ap.error("--port must be in 1..65535")
     for name in ("max_body_bytes", "max_connections", "max_header_bytes"):
@@ -132,6 +166,8 @@ def loader(args):
 
 
 def main(argv=None) -> int:
+    # before torch loads (here, not at import: the harness imports SIZES): docs/engine.md's "OpenMP" note
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
     try:
         import uvicorn

@@ -24,10 +24,12 @@ class FiddlerAdapter(EngineAdapter):
                              overlap=c.overlap, residency=c.residency.value)
 
     def server_command(self, serve) -> list[str]:
-        """fiddler.server with this system's options: the engine's flags from its one table (fiddler/options.py)."""
+        """fiddler.server with this system's options: the engine's flags from their one table (fiddler/options.py),
+        the sizes from theirs (fiddler/server/__main__.py SIZES)."""
         import sys
 
         from fiddler.options import command_line
+        from fiddler.server.__main__ import size_flags
 
         c = self.config
         if c.original:
@@ -40,10 +42,8 @@ class FiddlerAdapter(EngineAdapter):
             raise SystemUnavailable("fiddler.server takes neither system.overlap nor system.record_routing")
         gb, _ = c.gpu_budget(self.ctx.gpu_memory_gb)  # the server reads it with GpuSide.for_budget_gb
         cmd = [sys.executable, "-m", "fiddler.server", "--model", self.model.path, "--served-model-name",
-               self.model.name, "--host", serve.host, "--port", str(serve.port), "--slots", str(serve.slots),
-               "--max-queue", str(serve.max_queue), "--token-budget", str(serve.token_budget),
-               "--max-seq-len", str(serve.max_seq_len), "--dtype", self.model.dtype,
-               "--drain-timeout", f"{serve.drain_timeout_s:g}"]
+               self.model.name, "--host", serve.host, "--port", str(serve.port),
+               "--max-seq-len", str(serve.max_seq_len), "--dtype", self.model.dtype, *size_flags(serve)]
         popularity = c.popularity(self.model.name)
         if popularity is not None and not isinstance(popularity, str):  # the reference (a mean), as a file
             from pathlib import Path
@@ -52,8 +52,6 @@ class FiddlerAdapter(EngineAdapter):
             popularity = Path(self.ctx.cache_dir) / "serve" / f"{self.model.name}-reference-popularity.json"
             popularity.parent.mkdir(parents=True, exist_ok=True)
             reference.save(popularity)
-        if getattr(serve, "prefix_cache_mb", 0):
-            cmd += ["--prefix-cache-mb", f"{serve.prefix_cache_mb:g}"]
         return cmd + command_line(gpu_budget_gb=gb, cpu_threads=c.thread_count(self.ctx.threads),
                                   planner=c.planner.value, placement=c.placement.value,
                                   popularity=str(popularity) if popularity else None, quant=c.quant,

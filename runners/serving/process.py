@@ -240,9 +240,21 @@ class ServerProcess:
         return stop(self.proc, grace_s)
 
 
+def server_context(env: dict, cache_dir: str, serve):
+    """The RunContext a system's server is built with: the environment's threads and GPU memory, and KV caches
+    sized by serve (serve.max_seq_len positions x serve.slots rows); mode=serve and workload=serving both."""
+    import torch
+
+    from systems.base import RunContext
+
+    return RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
+                      has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cache_dir).expanduser()),
+                      environment=env, max_seq_len=serve.max_seq_len, max_batch=serve.slots)
+
+
 def server_environment(adapter, serve) -> dict[str, str]:
     """The server's environment: this process's, the system's process_env and server_env(serve), and
-    serve.api_key under the variable the system's server reads it from (runners/api_key.py: never on its
+    serve.api_key under the variable the system's server reads it from (runners/serving/api_key.py: never on its
     command line). SystemUnavailable where a key is set and the server takes none."""
     env = {**os.environ, **type(adapter).process_env, **adapter.server_env(serve)}
     if serve.api_key:

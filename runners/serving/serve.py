@@ -6,7 +6,7 @@ in a child process with the environment the system declares; the adapter says ho
 (SystemAdapter.server_command). A system that cannot serve here prints `skipped` with the reason, writes
 it to the run folder (serve.json) and exits 0, as a skipped measurement does.
 
-The child is started and stopped by runners/server_process.py: it never outlives this process (even
+The child is started and stopped by runners/serving/process.py: it never outlives this process (even
 SIGKILLed), `ready:` means the server started here answered, and a failed start (a taken port: exit 2, as a
 bad key; an early exit or a load failure /health reports: exit 1) is said at once, with the reason, in the
 output and in serve.json.
@@ -20,21 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from systems.base import ModelSpec, RunContext, SystemUnavailable
+from systems.base import ModelSpec, SystemUnavailable
 
-from .main import prepare, resolve_model_path
-from .schema import ConfigError
-from .server_process import PortUnavailable, ServerFailed, ServerProcess, server_environment
-from .session import load_adapter_class
-
-
-def _context(conf, resolved: dict) -> RunContext:
-    import torch
-
-    env = resolved["environment"]
-    return RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
-                      has_cuda=torch.cuda.is_available(), cache_dir=str(Path(resolved["cache_dir"]).expanduser()),
-                      environment=env, max_seq_len=conf.serve.max_seq_len, max_batch=conf.serve.slots)
+from ..main import prepare, resolve_model_path
+from ..schema import ConfigError
+from .process import PortUnavailable, ServerFailed, ServerProcess, server_context, server_environment
+from ..session import load_adapter_class
 
 
 def serve(cfg, run_dir: Path) -> int:
@@ -50,7 +41,8 @@ def serve(cfg, run_dir: Path) -> int:
     try:
         model_path = resolve_model_path(conf)
         cls = load_adapter_class(conf.system.adapter)
-        adapter = cls(conf.system, ModelSpec(conf.model.name, model_path, conf.model.dtype.value), _context(conf, resolved))
+        adapter = cls(conf.system, ModelSpec(conf.model.name, model_path, conf.model.dtype.value),
+                      server_context(resolved["environment"], resolved["cache_dir"], s))
         cmd = adapter.server_command(s)
         env = server_environment(adapter, s)
     except SystemUnavailable as e:

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from systems.base import ModelSpec, RunContext, SystemUnavailable
+from systems.base import ModelSpec, SystemUnavailable
 
-from . import server_process
+from . import process
 from . import rate_search
 from .api_key import scrub as api_key_scrub
-from .session import Job, base_record, load_adapter_class
+from ..session import Job, base_record, load_adapter_class
 
 PERCENTILES = (50, 90, 99)
 
@@ -122,13 +122,13 @@ def run_guidellm(target: str, model_path: str, point: dict, requests: int, out: 
             cmd += ["--backend", ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
                                           for k, v in backend.items())]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        # its own process group, dying with this process (runners/server_process.py): a timeout, SIGTERM or
+        # its own process group, dying with this process (runners/serving/process.py): a timeout, SIGTERM or
         # Ctrl-C of the run stops guidellm with its fork, spawn workers and resource tracker
-        proc = server_process.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = process.start(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         finally:
-            server_process.stop(proc, grace_s=10)  # what is left of its group, however this ends
+            process.stop(proc, grace_s=10)  # what is left of its group, however this ends
         after = resource.getrusage(resource.RUSAGE_CHILDREN)  # guidellm, reaped, with the workers it reaped
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0 or not out.exists():
@@ -211,24 +211,18 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
             yield base_record(job, i, "skipped", "guidellm is not installed: pip install -e '.[serving]'")
         return
     cfg = job.config
-    env = cfg["environment"]
-    import torch
-
-
     points = [job.points[i] for i in todo]
     prompt_len = w.shared_prefix_len + max(p["input_len"] for p in points)
     slots = max(conf.serve.slots, *(w.concurrency or [1]))
     serve = replace(conf.serve, host="127.0.0.1", port=free_port(), slots=slots,
                     max_seq_len=prompt_len + max(p["output_len"] for p in points) + 8)
     serve = replace(serve, token_budget=max(serve.token_budget, serve.slots))
-    ctx = RunContext(threads=int(env["cpu"]["threads"]), gpu_memory_gb=float(env["gpu"]["memory_gb"]),
-                     has_cuda=torch.cuda.is_available(), cache_dir=str(Path(cfg["cache_dir"]).expanduser()),
-                     environment=env, max_seq_len=serve.max_seq_len, max_batch=serve.slots)
+    ctx = process.server_context(cfg["environment"], cfg["cache_dir"], serve)
     try:
         cls = load_adapter_class(job.system["adapter"])
         adapter = cls(job.system_config, ModelSpec(cfg["model"]["name"], job.model_path, cfg["model"]["dtype"]), ctx)
         cmd = adapter.server_command(serve)
-        server_env = server_process.server_environment(adapter, serve)
+        server_env = process.server_environment(adapter, serve)
     except SystemUnavailable as e:
         for i in todo:
             yield base_record(job, i, "skipped", f"cannot serve here: {e}")
@@ -236,9 +230,9 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
     run_dir = Path(job.run_dir or tempfile.mkdtemp())
     progress.note("starting the server")
     try:
-        server = server_process.ServerProcess(cmd, server_env, serve.host, serve.port, adapter.server_health_path,
+        server = process.ServerProcess(cmd, server_env, serve.host, serve.port, adapter.server_health_path,
                                               log=run_dir / "server.log")
-    except server_process.PortUnavailable as e:  # free_port()'s port, taken since
+    except process.PortUnavailable as e:  # free_port()'s port, taken since
         for i in todo:
             yield base_record(job, i, "error", f"the server did not start: {e}")
         return
@@ -246,7 +240,7 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
     try:
         try:
             server.wait_ready(serve.ready_timeout_s)
-        except server_process.ServerFailed as e:
+        except process.ServerFailed as e:
             for i in todo:
                 yield base_record(job, i, "error", api_key_scrub(f"the server did not start: {e}: {server.tail(1000)}",
                                                                  key))
@@ -271,7 +265,7 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
             if rec["status"] == "ok" and p.get("concurrency") == 1:
                 unloaded = rec["metrics"]
             rec["serving"] = {"server_command": cmd, "server": adapter.server_notes(), **facts,
-                              "definitions": "vLLM's (runners/serving.py): TPOT = (e2e - TTFT) / (output - 1), "
+                              "definitions": "vLLM's (runners/serving/workload.py): TPOT = (e2e - TTFT) / (output - 1), "
                                              "guidellm's inter_token_latency; ITL not available from guidellm",
                               "slo": {"ttft_p99_s": w.slo_ttft_s, "tpot_p99_s": w.slo_tpot_s,
                                       "source": SLO_SOURCE["mlperf"], "slo_scale": w.slo_scale},

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import quant as fquant
 from .config import MoEConfig
+from .decode_graph import DecodeGraphs
 from .executors import BuildContext, ExecutorFactory, ExpertExecutor, FiddlerPolicy
 from .generate import GenerationOutput, generate
 from .gpu_side import GpuSide
@@ -228,6 +229,7 @@ class Engine:
         quant_cache: bool | str | Path = True,
         gguf: str | Path | None = None,
         prefill_attention: str = "auto",
+        decode_graphs: bool = False,
     ) -> "Engine":
         """Load an HF Mixtral checkpoint (original per-expert safetensors layout, sharded or not).
 
@@ -245,7 +247,10 @@ class Engine:
         directory; False: quantize at every load). gguf: take the quantized tensors from this GGUF file
         (llama.cpp's converter/quantizer output of the same checkpoint) instead of quantizing.
         prefill_attention: where a prompt's causal attention runs on CPU layers: "auto" (the faster of
-        the kernel and torch's SDPA, measured at load), "kernel" (an error where it cannot) or "torch"."""
+        the kernel and torch's SDPA, measured at load), "kernel" (an error where it cannot) or "torch".
+        decode_graphs: decode steps run each layer's dense part as a CUDA graph captured per batch size, the
+        experts between replays (fiddler.decode_graph; on an emulated GPU side the same static ops run
+        eagerly); needs every dense part on the GPU side. Off by default until a device run has timed it."""
         t_load = time.perf_counter()
         if prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, got {prefill_attention!r}")
@@ -289,6 +294,10 @@ class Engine:
         attention = settle_prefill_attention(model, cfg, dtype, layer_devices, prefill_attention)
         if quant is not None:
             fquant.install_attention(model, attn_blocks, quant)
+        if decode_graphs:
+            if not gpu.has_gpu:
+                raise ValueError("decode_graphs=True needs a GPU side (CUDA or emulated)")
+            model.decode_graphs = DecodeGraphs(model)
         k = load_kernels()
         kernel_linears = torch_threads_in_run is not None
         info = {

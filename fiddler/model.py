@@ -59,6 +59,16 @@ class Linear:
         return y if out_dtype is None else y.to(out_dtype)
 
 
+def linear_add(lin, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + lin(x): one GEMM that adds the residual (addmm) where torch serves a bias-free Linear in the
+    residual's dtype (the GPU side's projections), else the two ops. One launch fewer; the sum may be
+    rounded once where the two ops round twice."""
+    if isinstance(lin, Linear) and lin.bias is None and lin.uses_torch(x.shape[0]) and x.dim() == 2 \
+            and lin.weight.dtype == x.dtype == residual.dtype and residual.shape == (x.shape[0], lin.weight.shape[0]):
+        return torch.addmm(residual, x, lin.weight.t())
+    return residual + lin(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -196,14 +206,28 @@ def apply_rope(cfg: MoEConfig, q: torch.Tensor, k: torch.Tensor, cos, sin) -> tu
     return rot(q), rot(k)
 
 
-def route(logits: torch.Tensor, cfg_or_top_k, dtype: torch.dtype, score_bias: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, cfg_or_top_k, dtype: torch.dtype, score_bias: torch.Tensor | None = None,
+          topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: top-k expert ids and weights (in `dtype`) from router logits, as the family's transformers
     router computes them. Mixtral/Qwen/OLMoE: softmax in fp32, top-k, renormalised if norm_topk_prob.
     DeepSeek-V2: softmax, greedy or group-limited top-k (best experts of the best groups), times
     routed_scaling_factor. DeepSeek-V3: sigmoid scores, groups chosen by their top-2 sum with the bias
     correction, experts by biased score, weights the unbiased scores, renormalised and scaled.
-    `cfg_or_top_k`: a MoEConfig, or an int top_k for Mixtral's router."""
+    `cfg_or_top_k`: a MoEConfig, or an int top_k for Mixtral's router.
+
+    topk_first (the GPU side's fewest launches): where the top-k weights are a renormalised softmax, the
+    softmax of the top-k logits alone, which is the same function in two ops instead of four or more (the
+    same experts, as softmax keeps the order; weights within an ulp of fp32)."""
+    renormalised_softmax = isinstance(cfg_or_top_k, int) or (
+        cfg_or_top_k.scoring_func == "softmax" and cfg_or_top_k.topk_method == "greedy"
+        and cfg_or_top_k.norm_topk_prob and not cfg_or_top_k.router_fp32)
+    if topk_first and renormalised_softmax:
+        K, sort = (cfg_or_top_k, True) if isinstance(cfg_or_top_k, int) else (cfg_or_top_k.top_k, cfg_or_top_k.topk_sorted)
+        vals, idx = torch.topk(logits, K, dim=-1, sorted=sort)
+        # in the logits' dtype when that is the model's: softmax computes in fp32 and rounds once, as the
+        # fp32 softmax and a cast would
+        w = torch.softmax(vals, dim=-1) if logits.dtype == dtype else torch.softmax(vals, dim=-1, dtype=torch.float32)
+        return idx, w.to(dtype)
     if isinstance(cfg_or_top_k, int):
         probs = torch.softmax(logits.float(), dim=-1)
         w, idx = torch.topk(probs, cfg_or_top_k, dim=-1)
@@ -321,8 +345,14 @@ class KVCache:
         devs = [torch.device(d) for d in layer_devices] if layer_devices else [device] * cfg.num_layers
         main = [i for i, d in enumerate(devs) if d == device]
         other = [i for i, d in enumerate(devs) if d != device]
-        self.k = torch.zeros((len(main), max_batch, *kshape), dtype=dtype, device=device)
-        self.v = torch.zeros((len(main), max_batch, *vshape), dtype=dtype, device=device)
+        if kshape == vshape:  # keys and values side by side: one write puts both (append_kv, the GPU side)
+            self.kv = torch.zeros((2, len(main), max_batch, *kshape), dtype=dtype, device=device)
+            self.k, self.v = self.kv[0], self.kv[1]
+        else:
+            self.kv = None
+            self.k = torch.zeros((len(main), max_batch, *kshape), dtype=dtype, device=device)
+            self.v = torch.zeros((len(main), max_batch, *vshape), dtype=dtype, device=device)
+        self._main = set(main)
         self._other = None
         self._where: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * cfg.num_layers  # type: ignore
         for j, i in enumerate(main):
@@ -351,6 +381,17 @@ class KVCache:
         kc[row : row + B, :, pos : pos + T] = k
         vc[row : row + B, :, pos : pos + T] = v
         return kc[row : row + B, :, : pos + T], vc[row : row + B, :, : pos + T]
+
+    def joint(self, i: int) -> bool:
+        """Whether layer i's keys and values lie side by side (append_kv)."""
+        return self.kv is not None and i in self._main
+
+    def append_kv(self, i: int, pos: int, kv: torch.Tensor, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """append() of k = kv[0] and v = kv[1] ([2, B, heads, T, dim], e.g. a view of the fused projection's
+        output) in one copy (one launch where append makes two); needs joint(i)."""
+        j, B, T = self._where[i][2], kv.shape[1], kv.shape[3]
+        self.kv[:, j, row : row + B, :, pos : pos + T] = kv
+        return self.k[j, row : row + B, :, : pos + T], self.v[j, row : row + B, :, : pos + T]
 
     def reorder(self, beam_idx: torch.Tensor, length: int, start: int = 0):
         """Beam search: row b of the cache becomes old row beam_idx[b] on positions [start, length). Only the
@@ -407,6 +448,9 @@ class MoETransformer:
     """
 
     fp32_quant_acts: bool = False
+    # fiddler.decode_graph.DecodeGraphs where the decode step's dense part runs as CUDA graphs (Engine's
+    # decode_graphs option), else None
+    decode_graphs = None
     # torch's intra-op threads for a forward whose linears torch serves (more rows than kernel_max_tokens:
     # a long prefill), where torch does the heavy work; the engine sets its cores here while it keeps
     # torch at one thread for the kernel's sake (fiddler.engine.finalise_linears). None: leave torch's.
@@ -621,6 +665,16 @@ class MoETransformer:
         k = qkv[:, :, nh : nh + nkv].transpose(1, 2)
         v = qkv[:, :, nh + nkv :].transpose(1, 2)
         cos, sin = self._rope(qkv.device)
+        if self.layers[i].on_gpu and cfg.rope_style == "half" and self.cache.joint(i):
+            # The GPU side's fewest launches: rope of the q and k heads written back into the projection's
+            # output (mul, cat, addcmul: addcmul may fuse its product and sum, a rounding fewer than
+            # apply_rope), then k and v, now side by side there, into the cache in one copy.
+            qk = qkv[:, :, : nh + nkv].transpose(1, 2)
+            torch.addcmul(qk * cos[pos : pos + T], swap_halves(qk), self._signed_sin(qkv.device)[pos : pos + T],
+                          out=qk)
+            kv = qkv[:, :, nh:].view(B, T, 2, nkv, d).permute(2, 0, 3, 1, 4)
+            keys, values = self.cache.append_kv(i, pos, kv, row)
+            return self._sdpa(q, keys, values, B, T, pos, nkv, True)
         if cfg.rope_style == "half":  # q and k heads in one chain (the same products and sums as apply_rope)
             qk = rope_half(qkv[:, :, : nh + nkv].transpose(1, 2), cos[pos : pos + T],
                            self._signed_sin(qkv.device)[pos : pos + T])
@@ -661,35 +715,41 @@ class MoETransformer:
         o = self._sdpa(query, keys, values, B, T, pos, nh, self.layers[i].on_gpu)
         return self.layers[i].o_proj(o)
 
-    def _attend(self, i: int, h: torch.Tensor, groups: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    def _attend(self, i: int, h: torch.Tensor, groups: list[tuple[int, int, int, int]],
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of layer i for the flat rows h [N, H] of a step's sequences (segment_groups: first cache
         row, rows, start, tokens per row, in row order): the projections run once on all rows, rope / cache /
-        attention per group with its own cache rows and positions."""
+        attention per group with its own cache rows and positions. With `residual`: residual + attention
+        (the GPU side's o_proj adds it in its GEMM, linear_add)."""
         layer = self.layers[i]
         outs, r = [], 0
         if layer.mla is not None:
             for row, B, start, T in groups:
                 outs.append(self._mla_attention(i, h[r : r + B * T], B, T, start, row))
                 r += B * T
-            return torch.cat(outs) if len(outs) > 1 else outs[0]
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]
+            return o if residual is None else residual + o
         qkv = self._gqa_qkv(i, h, layer.qkv_proj)
         for row, B, start, T in groups:
             outs.append(self._gqa_core(i, qkv[r : r + B * T], B, T, start, row))
             r += B * T
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if residual is not None:
+            return linear_add(layer.o_proj, o, residual)
         main = h.device == self.device
         return layer.o_proj(o, out=self._buf("o", (h.shape[0], self.cfg.hidden_size), self.dtype) if main else None)
 
     # ------------------------------------------------------------------ MLP / MoE
 
-    def _route(self, layer: DecoderLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, layer: DecoderLayer, h: torch.Tensor, buffered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids and weights [T, active_slots] for the executor: the router's top-k, then every shared
-        slot (weight sigmoid(x . w_gate) for Qwen2-MoE's gated shared expert, else 1)."""
+        slot (weight sigmoid(x . w_gate) for Qwen2-MoE's gated shared expert, else 1). buffered: decode
+        logits into a reused buffer (not inside a CUDA graph, whose outputs are its own)."""
         cfg = self.cfg
-        main = h.device == self.device
+        main = h.device == self.device and buffered
         logits = layer.router_logits(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)
                                      if main and layer.router is not None else None)
-        idx, w = route(logits, cfg, self.dtype, layer.score_bias)
+        idx, w = route(logits, cfg, self.dtype, layer.score_bias, topk_first=layer.on_gpu)
         S = cfg.shared_slots
         if S:
             T = h.shape[0]
@@ -708,6 +768,12 @@ class MoETransformer:
         if layer.mlp is not None:
             return x + layer.mlp(h.to(self.dtype))
         idx, w = self._route(layer, h)
+        return self._experts(i, x, h, idx, w, count_rows)
+
+    def _experts(self, i: int, x: torch.Tensor, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                 count_rows: bool) -> torch.Tensor:
+        """x + the experts' output for MoE layer i, routed (idx, w): the executor's call and its hook."""
+        layer = self.layers[i]
         if h.dtype != self.dtype and not self.executor.fp32_inputs:
             h = h.to(self.dtype)
         if count_rows:  # decode with several rows (beams): distinct experts per layer, for the decode bound
@@ -718,10 +784,9 @@ class MoETransformer:
             self.multi_row_layer_steps += 1
         j = layer.moe_index
         if h.device != self.device:  # a layer whose dense part lives on the CPU: experts see the GPU side
-            y = self.executor.forward(j, h.to(self.device), idx.to(self.device), w.to(self.device)).to(h.device)
+            x = x + self.executor.forward(j, h.to(self.device), idx.to(self.device), w.to(self.device)).to(h.device)
         else:
-            y = self.executor.forward(j, h, idx, w)
-        x = x + y
+            x = self.executor.forward(j, h, idx, w, residual=x)
         self.executor.after_moe(j, x)
         return x
 
@@ -777,6 +842,9 @@ class MoETransformer:
         N = self._check_segments(tokens, segments)
         groups = segment_groups(segments)
         with torch_threads(self.torch_linear_threads if self._torch_serves_linears(N) else None):
+            if N == len(segments) and self.decode_graphs is not None and self.decode_graphs.serves(segments):
+                self.last_path = "graph_decode"
+                return self.decode_graphs.step(tokens, segments)
             if N == len(segments) and self._fused_decode(tokens.device):
                 self.last_path = "fused_decode"
                 logits = self._decode_step(tokens, groups, all_logits)
@@ -788,6 +856,8 @@ class MoETransformer:
 
     def decode_path(self) -> dict:
         """The path a decode step takes here (fiddler.step.PATHS), and why where it is not the fused one."""
+        if self.decode_graphs is not None:  # rows 0..B-1; other decode steps take the general path
+            return {"path": "graph_decode", "captured": self.decode_graphs.capture}
         if self._fused_decode(self.device):
             return {"path": "fused_decode"}
         why = "decode_fastpath is off" if self._decode_ops is not None else self._decode_ops_error
@@ -819,14 +889,14 @@ class MoETransformer:
     def _layers(self, x: torch.Tensor, attention, norm, count_rows: bool, bufs=(None, None)) -> torch.Tensor:
         """The one layer loop every forward runs: x + attention(norm(x)), then x + MoE/MLP(norm(x)), layer by
         layer, the residual stream following each layer's device. attention(i, h) and norm(x, weight, buf)
-        are the step's (the fused decode kernels' into reused buffers, or the general ops); count_rows: count
+        are the step's (on the GPU side attention(i, h, x) returns x + attention, added in o_proj's GEMM) (the fused decode kernels' into reused buffers, or the general ops); count_rows: count
         the distinct experts of a several-row decode step (the decode bound)."""
         eps = self.cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             if x.device != layer.device:
                 x = x.to(layer.device)
-            if layer.on_gpu:  # one launch per norm (fused_rms_norm)
-                x = x + attention(i, fused_rms_norm(x, layer.input_norm, eps))
+            if layer.on_gpu:  # the fewest launches: one per norm (fused_rms_norm), residuals added in GEMMs
+                x = attention(i, fused_rms_norm(x, layer.input_norm, eps), x)
                 x = self._moe(i, x, fused_rms_norm(x, layer.post_norm, eps), count_rows)
                 continue
             x = x + attention(i, norm(x, layer.input_norm, bufs[0]))
@@ -846,7 +916,8 @@ class MoETransformer:
         norm = rms_norm_f32 if self.fp32_quant_acts else self._norm  # final norm: bf16 into the bf16 lm_head
         x = F.embedding(tokens.to(self.embed.device), self.embed)  # [N, H]
         decode_rows = len(segments) if len(segments) == tokens.shape[0] else 0
-        x = self._layers(x, lambda i, h: self._attend(i, h, groups), lambda x, w, _buf: norm(x, w, eps),
+        x = self._layers(x, lambda i, h, residual=None: self._attend(i, h, groups, residual),
+                         lambda x, w, _buf: norm(x, w, eps),
                          decode_rows > 1)
         x = x.to(self.norm.device)
         if all_logits:

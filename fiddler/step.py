@@ -25,6 +25,7 @@ def rows(n: int, start: int, length: int = 1) -> list[Segment]:
     return [Segment(b, start, length) for b in range(n)]
 
 
-# The paths a step can take (MoETransformer.forward): every decode row through the fused CPU kernels, or
-# the general ops (prefill, chunks, fp32, a GPU side).
-PATHS = ("fused_decode", "general")
+# The paths a step can take (MoETransformer.forward): every decode row through the fused CPU kernels, the
+# GPU side's decode with its dense part as CUDA graphs (fiddler.decode_graph), or the general ops (prefill,
+# chunks, fp32, a GPU side).
+PATHS = ("fused_decode", "graph_decode", "general")

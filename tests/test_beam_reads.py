@@ -28,9 +28,9 @@ def beams():
         reads[-1].append(expert_of[id(self)])
         return kernel_forward(self, *a, **kw)
 
-    def forward(layer, x, idx, w):
+    def forward(layer, x, idx, w, **kw):
         reads.append([])
-        return executor_forward(layer, x, idx, w)
+        return executor_forward(layer, x, idx, w, **kw)
 
     ex.forward = forward
     kernel.forward = counted

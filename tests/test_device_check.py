@@ -55,8 +55,8 @@ def test_check_accepts_a_complete_run_and_names_each_gap(dc, tmp_path):
     r.write_text(json.dumps({**json.loads(r.read_text()), "sanitizer": {"skipped": " "}}))
     problems = dc.check(tmp_path)
     assert any("04_offload.json: missing ['makespan']" in p for p in problems)
-    assert any("06_threads.json: missing" in p for p in problems)
-    assert any("05_hf_offload.json: status skipped without a reason" in p for p in problems)
+    assert any("07_threads.json: missing" in p for p in problems)
+    assert any("06_hf_offload.json: status skipped without a reason" in p for p in problems)
     assert any("02_races.json: .sanitizer is skipped without a reason" in p for p in problems)
     assert len(problems) == 4
 
@@ -116,7 +116,7 @@ def test_real_sections_on_the_emulated_gpu_write_their_fields(dc, tmp_path):
     ctx = dc.Ctx(tmp_path, True, tmp_path / "cache")
     for name in ("env", "h2d", "llama_gpu"):
         assert dc.run_section(ctx, name) == 0
-    problems = [p for p in dc.check(tmp_path) if p.split(":")[0] in {"01_env.json", "03_h2d.json", "07_llama_gpu.json"}]
+    problems = [p for p in dc.check(tmp_path) if p.split(":")[0] in {"01_env.json", "03_h2d.json", "08_llama_gpu.json"}]
     assert problems == []
     h2d = json.loads(dc.file_of(tmp_path, "h2d").read_text())
     assert h2d["alone"]["pinned_gbps"] > 0 and h2d["cpu_kernel"]["read_limit_gbps"] > 0

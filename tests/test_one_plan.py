@@ -152,12 +152,12 @@ def test_the_model_has_one_layer_loop_and_one_fused_decode_rule():
 def test_the_step_reports_its_path():
     e = engine("cpu")
     out = e.generate(prompt(5, e.config.vocab_size, seed=3), max_new_tokens=4)
-    assert out.stats["step_paths"] == {"fused_decode": 3, "general": 1}
+    assert out.stats["step_paths"] == {"fused_decode": 3, "graph_decode": 0, "general": 1}
     assert e.info()["decode_path"] == {"path": "fused_decode"}
     e.model.decode_fastpath = False
     try:
         out = e.generate(prompt(5, e.config.vocab_size, seed=3), max_new_tokens=4)
-        assert out.stats["step_paths"] == {"fused_decode": 0, "general": 4}
+        assert out.stats["step_paths"] == {"fused_decode": 0, "graph_decode": 0, "general": 4}
         assert e.info()["decode_path"] == {"path": "general", "why": "decode_fastpath is off"}
     finally:
         e.model.decode_fastpath = True

@@ -65,9 +65,9 @@ def test_torch_gets_every_core_where_it_serves_the_linears(monkeypatch):
     seen = []
     forward = e.executor.forward
 
-    def spy(layer, x, idx, w):
+    def spy(layer, x, idx, w, **kw):
         seen.append((x.shape[0], torch.get_num_threads()))
-        return forward(layer, x, idx, w)
+        return forward(layer, x, idx, w, **kw)
 
     e.executor.forward = spy
     e.generate(prompt(16, 512), max_new_tokens=3)

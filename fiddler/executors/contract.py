@@ -39,6 +39,11 @@ class StatsBase:
         return d
 
 
+def add_residual(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """forward's result: the experts' sum y, plus the residual where the caller passed one."""
+    return y if residual is None else residual + y
+
+
 class ExpertExecutor(abc.ABC):
     """Runs the experts of one MoE layer call. Implementations set `config`, `dtype` and `stats` in
     `__init__` and call `begin_forward` first in `forward`."""
@@ -52,8 +57,11 @@ class ExpertExecutor(abc.ABC):
     fp32_inputs: bool = False
 
     @abc.abstractmethod
-    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) for every token t; x [T, H], topk_* [T, K]."""
+    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) for every token t; x [T, H], topk_* [T, K]. With
+        `residual` [T, H] (the model's residual stream, as it always passes it): residual + that sum, which a
+        policy may add in its own combining op (one launch fewer on a GPU), else by add_residual."""
 
     @abc.abstractmethod
     def reset_stats(self) -> None:

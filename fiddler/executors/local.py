@@ -10,7 +10,7 @@ import torch
 from .. import quant as fquant
 from ..kernel_loader import load_kernels
 from ..weights import ExpertWeights
-from .contract import BuildContext, ExpertExecutor, StatsBase
+from .contract import BuildContext, ExpertExecutor, StatsBase, add_residual
 from .ffn import torch_expert
 from .routing import ExpertGroups
 
@@ -63,7 +63,8 @@ class LocalExperts(ExpertExecutor):
             return self.packed[layer][e].forward(x)
         return torch_expert(self.experts[layer][e], x.to(self.dtype))
 
-    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         self.begin_forward(layer, x, topk_idx)
         T, K = topk_idx.shape
         if T == 1:  # decode: no gather/scatter
@@ -73,7 +74,7 @@ class LocalExperts(ExpertExecutor):
                 out = y if out is None else out + y
             self.stats.expert_calls += K
             self.stats.expert_tokens += K
-            return out.to(self.dtype)
+            return add_residual(residual, out.to(self.dtype))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         groups = ExpertGroups(topk_idx, self.config.expert_slots, layer)
         for e in groups.active():
@@ -82,7 +83,7 @@ class LocalExperts(ExpertExecutor):
             out.index_add_(0, tok, y)
             self.stats.expert_calls += 1
             self.stats.expert_tokens += groups.counts[e]
-        return out.to(self.dtype)
+        return add_residual(residual, out.to(self.dtype))
 
 
 def local_executor(ctx: BuildContext, experts: list[list[ExpertWeights]]) -> LocalExperts:

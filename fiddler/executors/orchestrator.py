@@ -41,9 +41,9 @@ from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
 from ..weights import ExpertWeights
-from .contract import BuildContext, ExpertExecutor, StatsBase
+from .contract import BuildContext, ExpertExecutor, StatsBase, add_residual
 from .copy_in import CopyIn
-from .ffn import torch_expert
+from .ffn import torch_expert, torch_experts_row
 from .readback import Readback
 from .routing import ExpertGroups, Scratch, SlotOutputs, weighted_slot_sum
 
@@ -443,7 +443,9 @@ class FiddlerExecutor(ExpertExecutor):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The contract's forward (a decode row on the GPU side adds the residual in its weighted sum: one op)."""
         t_start = time.perf_counter()
         T, K = topk_idx.shape
         E = self.config.expert_slots
@@ -462,12 +464,14 @@ class FiddlerExecutor(ExpertExecutor):
         if (T == 1 and self.fused_decode and self.packed_host and off_gpu and host.x.is_contiguous()
                 and host.w.dtype == torch.bfloat16 and max(host.counts) == 1
                 and all(d is None or d == CPU for d in plan.decisions)):
-            return self._install(installs, self._decode_row_on_cpu(layer, host.x, host.row_ids, host.w, plan, t_start))
+            return self._install(installs, add_residual(residual, self._decode_row_on_cpu(layer, host.x, host.row_ids,
+                                                                                     host.w, plan, t_start)))
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
         x_in, x = x, x.to(self.dtype)
         cpu_experts = plan.experts(CPU)
         if T == 1 and not cpu_experts:
-            return self._install(installs, self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start))
+            return self._install(installs, self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start,
+                                                                 residual))
         groups = ExpertGroups(topk_idx, E, layer, host.counts)  # where the combination is: the GPU side
         combined = SlotOutputs(x, K, self._scratch, gpu_side=self.gpu.has_gpu)
 
@@ -506,7 +510,7 @@ class FiddlerExecutor(ExpertExecutor):
             combined.put_flat(flat_c, y_c, topk_w)
         out = combined.sum()
         self.stats.add_plan(layer, plan, T * K, time.perf_counter() - t_start, cpu_s)
-        return self._install(installs, out)
+        return self._install(installs, add_residual(residual, out))
 
     # ------------------------------------------------------------------ the resident set adapting
 
@@ -546,15 +550,20 @@ class FiddlerExecutor(ExpertExecutor):
                 dst.copy_(src)
         self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
 
-    def _gpu_queue(self, layer: int, plan: LayerPlan, run) -> None:
-        """The GPU side's experts of a plan, run(weights, e) each: resident ones, then copied-in ones through the
-        double buffer. Both buffers' copies are issued first, so they overlap the resident experts (as
-        planned); on CUDA the copy of the next expert overlaps the current one's compute."""
+    def _gpu_queue(self, layer: int, plan: LayerPlan, run, run_resident=None) -> None:
+        """The GPU side's experts of a plan, run(weights, e) each: resident ones (all in one
+        run_resident([(weights, e), ...]) where given), then copied-in ones through the double buffer. Both
+        buffers' copies are issued first, so they overlap the resident experts (as planned); on CUDA the copy
+        of the next expert overlaps the current one's compute."""
         copied = plan.experts(COPY)
         for i, e in enumerate(copied[:COPY_BUFFERS]):
             self._copy_in(layer, e, i)
-        for e in plan.experts(GPU):
-            run(self.resident[layer][e], e)
+        resident = [(self.resident[layer][e], e) for e in plan.experts(GPU)]
+        if run_resident is not None:
+            run_resident(resident)
+        else:
+            for w, e in resident:
+                run(w, e)
         for i, e in enumerate(copied):
             slot = i % COPY_BUFFERS
             w = self._copied(slot)
@@ -569,24 +578,39 @@ class FiddlerExecutor(ExpertExecutor):
                 self._copy_in(layer, copied[i + COPY_BUFFERS], slot)
 
     def _row_on_gpu_side(self, layer: int, x: torch.Tensor, x_in: torch.Tensor, ids: list[int],
-                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float) -> torch.Tensor:
+                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
         """One token whose routed experts all run on the GPU side (decode): each expert writes its output
-        straight into its slot's row, so there is nothing to group, gather or scatter: the layer call
-        launches the experts' own ops, the readback and two for the weighted sum (the same one as
-        SlotOutputs: the same bits)."""
+        straight into its slot's row, so there is nothing to group, gather or scatter; the resident experts
+        share one silu and one product (torch_experts_row). The layer call launches the experts' GEMMs, those
+        two, the readback and one op for the weighted sum plus the residual (addmm), or the two of
+        SlotOutputs' weighted sum (the same bits) without a residual."""
         K = len(ids)
         slots = self._scratch.take("slots", (K, x.shape[1]), self.dtype, x.device)
         slot_of = {e: k for k, e in enumerate(ids)}
+        fp32_in = x_in.dtype == torch.float32 and self.dtype != torch.float32  # fp32_inputs, as _gpu_expert
 
         def run(w: ExpertWeights, e: int) -> None:
             out = slots[slot_of[e]:slot_of[e] + 1]
-            if x_in.dtype == torch.float32 and self.dtype != torch.float32:  # fp32_inputs, as _gpu_expert
+            if fp32_in:
                 out.copy_(torch_expert(self._dense(w, torch.float32), x_in))
             else:
                 torch_expert(self._dense(w), x, out=out)
 
-        self._gpu_queue(layer, plan, run)
-        out = weighted_slot_sum(slots, topk_w, 1, K, one_op_sum=True)
+        def run_resident(resident: list[tuple[ExpertWeights, int]]) -> None:
+            ws = [self._dense(w) for w, _ in resident]
+            if fp32_in or len(ws) < 2 or any(w.w13 is None or w.w1.shape != ws[0].w1.shape for w in ws):
+                for w, e in resident:
+                    run(w, e)
+                return
+            rows = self._scratch.take("w13_rows", (len(ws), ws[0].w13.shape[0]), self.dtype, x.device)
+            torch_experts_row(ws, x, [slots[slot_of[e]:slot_of[e] + 1] for _, e in resident], rows)
+
+        self._gpu_queue(layer, plan, run, run_resident)
+        if residual is not None and topk_w.dtype == slots.dtype == residual.dtype:
+            out = torch.addmm(residual, topk_w.reshape(1, K), slots)  # residual + sum_k w_k * slot_k, one op
+        else:
+            out = add_residual(residual, weighted_slot_sum(slots, topk_w, 1, K, one_op_sum=True))
         self.stats.add_plan(layer, plan, K, time.perf_counter() - t_start, 0.0)
         return out
 

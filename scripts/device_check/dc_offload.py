@@ -1,4 +1,4 @@
-"""Sections 4-5 of the device check: Fiddler's offload and transformers' offload of the same model."""
+"""Sections 4-6 of the device check: Fiddler's offload, its decode graphs, and transformers' offload of the same model."""
 from __future__ import annotations
 
 import os
@@ -101,11 +101,11 @@ def makespans(ctx: Ctx, engine, ids, new_tokens: int) -> dict:
     real = ex.forward
     calls = []
 
-    def measured(layer, x, idx, w):
+    def measured(layer, x, idx, w, **kw):
         before = ex.stats.predicted_s
         ctx.sync()
         t0 = time.perf_counter()
-        out = real(layer, x, idx, w)
+        out = real(layer, x, idx, w, **kw)
         ctx.sync()
         calls.append((int(idx.shape[0]), ex.stats.predicted_s - before, time.perf_counter() - t0))
         return out
@@ -182,7 +182,7 @@ def launch_census(ctx: Ctx, engine, ids, steps: int = 4) -> dict:
     return out
 
 
-def load_fiddler(ctx: Ctx, path: pathlib.Path):
+def load_fiddler(ctx: Ctx, path: pathlib.Path, **engine_kw):
     from fiddler import Engine
     from fiddler.config import MoEConfig
     from fiddler.executors import FiddlerPolicy, GpuSide
@@ -197,7 +197,8 @@ def load_fiddler(ctx: Ctx, path: pathlib.Path):
     engine = Engine.from_pretrained(path, gpu=gpu, dtype=torch.bfloat16, max_seq_len=max_seq_len, max_batch=1,
                                     executor=FiddlerPolicy(placement="popularity",
                                                            popularity=Popularity(popularity_target(shape),
-                                                                                 top_k=shape.top_k)))
+                                                                                 top_k=shape.top_k)),
+                                    **engine_kw)
     return engine, budget, resident
 
 
@@ -241,6 +242,71 @@ def section_offload(ctx: Ctx) -> dict:
     if ctx.cuda:  # each generate resets the peak: the larger of the timed prefill's and decode's
         result["max_memory_reserved"] = max(m["max_memory_reserved"] for m in mem.values())
     return result
+
+
+def section_graphs(ctx: Ctx) -> dict:
+    """The decode step with each layer's dense part as a CUDA graph (fiddler.decode_graph) against the eager
+    GPU side on the same engine and weights: the first steps' logits and greedy tokens, decode tok/s of each
+    (median of 3), the launches a step makes (aten ops; on CUDA the kernels and graph launches the profiler
+    saw), and a decode step under torch.cuda.set_sync_debug_mode("error"). On an emulated GPU (dry run) the
+    graphs' static ops run eagerly: the numbers check the section, not the graphs."""
+    from fiddler.launches import count_launches
+    from fiddler.step import Segment
+
+    shape = ctx.shape
+    engine, _budget, _resident = load_fiddler(ctx, make_model(ctx), decode_graphs=True)
+    m, graphs = engine.model, engine.model.decode_graphs
+    ids = prompt_ids(32, seed=3)
+    n = ids.shape[-1]
+
+    def decode_logits(steps: int) -> list[torch.Tensor]:
+        engine.step(ids.reshape(-1), [Segment(0, 0, n, True)])
+        tok, out = ids.reshape(-1)[-1:], []
+        for t in range(steps):
+            logits = engine.step(tok, [Segment(0, n + t, 1, True)]).float().clone()
+            out.append(logits)
+            tok = logits.argmax(-1)
+        return out
+
+    def tok_s(new: int) -> float:
+        return statistics.median(engine.generate(ids, max_new_tokens=new).stats["decode_tok_s"] for _ in range(3))
+
+    with_g = decode_logits(8)
+    assert m.last_path == "graph_decode", m.last_path
+    with_g_tok_s = tok_s(shape.decode)
+    per_step, names = count_launches(lambda: engine.step(ids.reshape(-1)[-1:], [Segment(0, n, 1, True)]), steps=4)
+    out = {"captured_batch_sizes": list(graphs.captured), "replays": graphs.replays, "capture": graphs.capture,
+           "graph": {"decode_tok_s": with_g_tok_s, "aten_ops_per_step": per_step, "ops": dict(names.most_common(12))}}
+    if ctx.cuda:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                engine.step(ids.reshape(-1)[-1:], [Segment(0, n, 1, True)])
+            torch.cuda.synchronize()
+        ev = prof.events()
+        out["graph"]["cuda_kernels_per_step"] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in ev) / 4
+        out["graph"]["graph_launches_per_step"] = sum(e.name == "cudaGraphLaunch" for e in ev) / 4
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.step(ids.reshape(-1)[-1:], [Segment(0, n, 1, True)])
+            out["graph"]["sync_debug_error_mode"] = "no unexpected sync outside the readback"
+        except RuntimeError as e:
+            out["graph"]["sync_debug_error_mode"] = f"raised: {str(e)[:300]}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    m.decode_graphs = None  # the eager GPU side, same engine
+    try:
+        eager = decode_logits(8)
+        eager_tok_s = tok_s(shape.decode)
+    finally:
+        m.decode_graphs = graphs
+    diffs = [float((a - b).abs().max()) for a, b in zip(with_g, eager)]
+    scale = max(float(b.abs().max()) for b in eager)
+    out["eager"] = {"decode_tok_s": eager_tok_s}
+    out["compare"] = {"max_abs_logit_diff": max(diffs), "logit_scale": scale,
+                      "greedy_tokens_equal": [int(a.argmax()) for a in with_g] == [int(b.argmax()) for b in eager],
+                      "graph_over_eager_tok_s": with_g_tok_s / eager_tok_s if eager_tok_s else None}
+    return out
 
 
 # --------------------------------------------------------------------------------------------- 5 transformers

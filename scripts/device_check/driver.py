@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the dc_* mod
 from dc_common import Ctx  # noqa: E402
 from dc_cpu import section_llama_gpu, section_threads  # noqa: E402
 from dc_gpu import section_env, section_h2d, section_races  # noqa: E402
-from dc_offload import section_hf_offload, section_offload  # noqa: E402
+from dc_offload import section_graphs, section_hf_offload, section_offload  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------- the table
@@ -44,6 +44,7 @@ SECTIONS = [
     ("offload", section_offload, 110, ("model", "budget_bytes", "resident_experts", "prefill", "decode", "routing",
                                        "cuda_memory", "overlap_decode", "overlap_prefill", "makespan",
                                        "sync_census", "launches")),
+    ("graphs", section_graphs, 50, ("captured_batch_sizes", "replays", "graph", "eager", "compare")),
     ("hf_offload", section_hf_offload, 60, ("placement", "prefill", "decode", "max_memory_reserved")),
     ("threads", section_threads, 75, ("cores", "rows")),
     ("llama_gpu", section_llama_gpu, 10, ()),

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fiddler.executors import (COPY, GPU, BuildContext, CopyIn, ExpertExecutor, ExpertGroups, ExpertWeights, GpuSide,
-                               SlotOutputs, StatsBase, kind_counter, torch_expert)
+                               SlotOutputs, StatsBase, add_residual, kind_counter, torch_expert)
 from fiddler.model import rms_norm
 from fiddler.residency import ExpertLRU
 
@@ -271,8 +271,9 @@ class OffloadingExecutor(ExpertExecutor):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) for every token t; x [T, H], topk_* [T, K]."""
+    def forward(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) for every token t (+ residual: the contract's)."""
         t_start = time.perf_counter()
         T, K = topk_idx.shape
         self.begin_forward(layer, x, topk_idx)
@@ -322,7 +323,7 @@ class OffloadingExecutor(ExpertExecutor):
         st.wall_s += time.perf_counter() - t_start
         if self.prefetch and self.prefetch_input == "moe_input":
             self._prefetch_next(layer, x, normed=True)
-        return out
+        return add_residual(residual, out)
 
     def after_moe(self, layer: int, x: torch.Tensor) -> None:
         """Model hook: the residual stream right after layer `layer`'s MoE output was added."""

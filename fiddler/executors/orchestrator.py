@@ -7,6 +7,9 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
 - meanwhile the calling thread runs the GPU queue: the copies into both buffers are issued first, then
   the resident experts run, then the copied-in ones through the double buffer (on CUDA the copy of the
   next expert overlaps the current one's compute);
+- when the call's tokens make copying in cheaper than the CPU (a long prompt), the next MoE layer's first
+  non-resident experts are copied into the buffers as this call's last uses of them end (look-ahead,
+  fiddler.streaming), so its copies run under this layer's experts and the next layer's attention;
 - outputs are combined like transformers' Mixtral (routing.SlotOutputs).
 
 Each expert has one host copy: the packed one the CPU kernel runs from (kind c), which kind b copies as
@@ -40,6 +43,8 @@ from ..placement import COPY_BUFFERS, Placement, place_spec
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
+from .. import streaming
+from ..streaming import Pipeline, lookahead, pipeline
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
@@ -85,6 +90,8 @@ class FiddlerStats(StatsBase):
     tokens: dict[str, int] = field(default_factory=kind_counter)
     experts: dict[str, int] = field(default_factory=kind_counter)
     weight_copies: int = 0
+    copies_ahead: int = 0  # of weight_copies: the next layer's, staged during a layer call (fiddler.streaming)
+    copies_ahead_unused: int = 0  # of copies_ahead: experts the next layer's plan did not copy in after all
     bytes_h2d_weights: int = 0
     bytes_d2h_activations: int = 0
     bytes_h2d_activations: int = 0
@@ -157,9 +164,10 @@ class FiddlerExecutor(ExpertExecutor):
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None,
                  threads: Threads, use_kernel: bool = True, calibration_tokens: int = 128,
                  take_ownership: bool = False, quant: str | None = None, residency: str = "static",
-                 popularity=None):
+                 popularity=None, lookahead: bool = True):
         """residency: fiddler.residency's policy (static, lru, lfu), seeded from `popularity` (its shares; None:
-        uniform). Without a GPU side there is nothing resident and the policy is static."""
+        uniform). Without a GPU side there is nothing resident and the policy is static. lookahead: stage the
+        next layer's copies during a long prompt's layer call (fiddler.streaming; False: the ablation)."""
         self.config, self.gpu, self.dtype = config, gpu, dtype
         self.device = gpu.device
         self.cuda = gpu.is_cuda
@@ -209,6 +217,8 @@ class FiddlerExecutor(ExpertExecutor):
         self._off_gpu = [not all(r) for r in placement.resident]  # layers with experts the CPU may run
         self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
         self._promotions: dict[int, Promote] = {}  # this call's copied-in experts that stay (fiddler.residency)
+        self.lookahead = bool(lookahead) and gpu.has_gpu
+        self._staged: tuple[int | None, dict[int, int]] = (None, {})  # (layer, {expert: buffer}) copied ahead
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
         self.reset_stats()
@@ -457,17 +467,23 @@ class FiddlerExecutor(ExpertExecutor):
             self.stats.bytes_d2h_activations += x.numel() * x.element_size()
         # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
         # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
-        plan: LayerPlan = self.planner(host.counts, self.cache.resident[layer], self.latency_model)
-        installs = self._fill(layer, host.counts, plan) if self.cache.adaptive else ()
+        staged, ahead = self._take_staged(layer), self._ahead(layer, host.counts)
+        plan: LayerPlan = streaming.plan(self.planner, host.counts, self.cache.resident[layer], self.latency_model,
+                                         staged)
+        installs = self._fill(layer, host.counts, plan, bool(ahead)) if self.cache.adaptive else ()
+        if ahead and self.cache.adaptive:  # the step may have moved a staged expert into a slot
+            ahead = [e for e in ahead if not self.cache.resident[layer + 1][e]]
         if (T == 1 and self.fused_decode and self.packed_host and off_gpu and host.x.is_contiguous()
                 and host.w.dtype == torch.bfloat16 and max(host.counts) == 1
                 and all(d is None or d == CPU for d in plan.decisions)):
+            self.stats.copies_ahead_unused += len(staged)
             return self._install(installs, self._decode_row_on_cpu(layer, host.x, host.row_ids, host.w, plan, t_start))
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
         x_in, x = x, x.to(self.dtype)
         cpu_experts = plan.experts(CPU)
         if T == 1 and not cpu_experts:
-            return self._install(installs, self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start))
+            return self._install(installs, self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start,
+                                                                 staged, ahead))
         groups = ExpertGroups(topk_idx, E, layer, host.counts)  # where the combination is: the GPU side
         combined = SlotOutputs(x, K, self._scratch, gpu_side=self.gpu.has_gpu)
 
@@ -490,7 +506,8 @@ class FiddlerExecutor(ExpertExecutor):
             prev_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads.gpu_side)
         try:
-            self._gpu_queue(layer, plan, lambda w, e: self._gpu_expert(w, groups, e, x, x_in, topk_w, combined))
+            self._gpu_queue(layer, plan, lambda w, e: self._gpu_expert(w, groups, e, x, x_in, topk_w, combined),
+                            staged, ahead)
         finally:
             if prev_threads is not None:
                 torch.set_num_threads(prev_threads)
@@ -510,12 +527,13 @@ class FiddlerExecutor(ExpertExecutor):
 
     # ------------------------------------------------------------------ the resident set adapting
 
-    def _fill(self, layer: int, counts, plan: LayerPlan) -> list:
+    def _fill(self, layer: int, counts, plan: LayerPlan, streams: bool = False) -> list:
         """The cache's step for this call (fiddler.residency.ExpertCache), as the call is planned: its chunk of
         the fill goes to the copy engine now (the cache sized it to the engine's predicted idle time in this
-        call); the installs it returns wait for the end of the call (`_install`)."""
+        call; none where this call stages the next layer's copies: they take the buffers); the installs it
+        returns wait for the end of the call (`_install`)."""
         installs = []
-        for a in self.cache.step(layer, counts, plan, self.latency_model):
+        for a in self.cache.step(layer, counts, plan, self.latency_model, streams):
             if isinstance(a, Chunk):
                 srcs = self._host_tensors(self._holding(a.layer, a.expert))
                 self.copy_in.copy(FILL, *_byte_range(self.buffers[FILL], srcs, a.start, a.end))
@@ -546,30 +564,64 @@ class FiddlerExecutor(ExpertExecutor):
                 dst.copy_(src)
         self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
 
-    def _gpu_queue(self, layer: int, plan: LayerPlan, run) -> None:
+    def _take_staged(self, layer: int) -> dict[int, int]:
+        """The copies the previous layer call staged for this one ({expert: buffer}; none if it was another
+        layer's call, e.g. a forward that ended there): taken, so a later call cannot reuse them."""
+        at, staged = self._staged
+        self._staged = (None, {})
+        if at is not None and at != layer:
+            self.stats.copies_ahead_unused += len(staged)
+            return {}
+        return staged
+
+    def _ahead(self, layer: int, counts) -> list[int]:
+        """The next layer's experts this call stages (fiddler.streaming.lookahead)."""
+        if not self.lookahead or layer + 1 >= self.config.num_moe_layers:
+            return []
+        return lookahead(counts, self.cache.resident[layer + 1], self.latency_model, self.planner_name)
+
+    def _gpu_queue(self, layer: int, plan: LayerPlan, run, staged: dict[int, int] = {},  # noqa: B006 -- read only
+                   ahead: list[int] = ()) -> None:
         """The GPU side's experts of a plan, run(weights, e) each: resident ones, then copied-in ones through the
-        double buffer. Both buffers' copies are issued first, so they overlap the resident experts (as
-        planned); on CUDA the copy of the next expert overlaps the current one's compute."""
-        copied = plan.experts(COPY)
-        for i, e in enumerate(copied[:COPY_BUFFERS]):
-            self._copy_in(layer, e, i)
+        double buffer (fiddler.streaming.pipeline: the buffer of each, and which were staged by the previous
+        layer call). The first buffers' copies are issued first, so they overlap the resident experts (as
+        planned); on CUDA the copy of the next expert overlaps the current one's compute. The next layer's
+        `ahead` experts are copied in as soon as this call's last use of a buffer is issued (at the start for
+        a buffer it does not use), before this layer's later experts run."""
+        p = pipeline(plan.experts(COPY), staged, ahead)
+        self.stats.copies_ahead_unused += len(staged) - len(p.staged)
+        for e, slot in zip(p.order[:COPY_BUFFERS], p.slots):
+            if e not in p.staged:
+                self._copy_in(layer, e, slot)
+        self._stage(layer, p, -1)
         for e in plan.experts(GPU):
             run(self.resident[layer][e], e)
-        for i, e in enumerate(copied):
-            slot = i % COPY_BUFFERS
+        for i, e in enumerate(p.order):
+            slot = p.slots[i]
             w = self._copied(slot)
             run(w, e)
             if self._promotions:
-                p = self._promotions.pop(e, None)
-                if p is not None:
-                    self._into_slot(p, w)
+                p_ = self._promotions.pop(e, None)
+                if p_ is not None:
+                    self._into_slot(p_, w)
             if not self.packed_host:
                 self.copy_in.release(slot)
-            if i + COPY_BUFFERS < len(copied):
-                self._copy_in(layer, copied[i + COPY_BUFFERS], slot)
+            if i + COPY_BUFFERS < len(p.order):
+                self._copy_in(layer, p.order[i + COPY_BUFFERS], p.slots[i + COPY_BUFFERS])
+            self._stage(layer, p, i)
+
+    def _stage(self, layer: int, p: Pipeline, i: int) -> None:
+        """Issue the next layer's copies whose buffer's last use in this call is order[i] (i = -1: unused). They go
+        into the same COPY_BUFFERS buffers (the placement's reservation pays for them: `expert_copy_buffers`, on
+        pinned host copies on CUDA), so look-ahead costs no GPU memory."""
+        for e, slot in p.ahead_after(i):
+            self._copy_in(layer + 1, e, slot)
+            self.stats.copies_ahead += 1
+            at, staged = self._staged
+            self._staged = (layer + 1, {**(staged if at == layer + 1 else {}), e: slot})
 
     def _row_on_gpu_side(self, layer: int, x: torch.Tensor, x_in: torch.Tensor, ids: list[int],
-                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float) -> torch.Tensor:
+                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float, staged, ahead) -> torch.Tensor:
         """One token whose routed experts all run on the GPU side (decode): each expert writes its output
         straight into its slot's row, so there is nothing to group, gather or scatter: the layer call
         launches the experts' own ops, the readback and two for the weighted sum (the same one as
@@ -585,7 +637,7 @@ class FiddlerExecutor(ExpertExecutor):
             else:
                 torch_expert(self._dense(w), x, out=out)
 
-        self._gpu_queue(layer, plan, run)
+        self._gpu_queue(layer, plan, run, staged, ahead)
         out = weighted_slot_sum(slots, topk_w, 1, K, one_op_sum=True)
         self.stats.add_plan(layer, plan, K, time.perf_counter() - t_start, 0.0)
         return out
@@ -716,7 +768,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
                    latency_model=None, cpu_threads: int | None = None, seed: int = 0,
                    dtype: torch.dtype | None = None, overlap: bool | None = None,
                    take_ownership: bool = False, quant: str | None = None,
-                   residency: str = "static") -> FiddlerExecutor:
+                   residency: str = "static", lookahead: bool = True) -> FiddlerExecutor:
     """Fiddler's executor for `experts` [layer][expert].
 
     gpu: where the GPU side is and its budget (GpuSide). Without a GPU every expert runs on the CPU (kind
@@ -731,6 +783,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
       kernel computes on them, the GPU side stores/copies them and dequantizes, placement counts them.
     residency: how the resident set changes while it runs (fiddler.residency: "static", "lru", "lfu"); an
       adaptive one fills through the last copy buffer and seeds itself from `popularity`.
+    lookahead: stage the next layer's copies during a long prompt's layer call (fiddler.streaming).
     """
     quant = fquant.check_quant(quant)
     if dtype is None and quant is not None:
@@ -741,7 +794,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,
-                           quant=quant, residency=residency, popularity=popularity)
+                           quant=quant, residency=residency, popularity=popularity, lookahead=lookahead)
 
 
 @dataclass(frozen=True)
@@ -755,10 +808,11 @@ class FiddlerPolicy:
     latency_model: Any = None
     overlap: bool | None = None
     residency: str = "static"
+    lookahead: bool = True
 
     def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights]]) -> FiddlerExecutor:
         return build_executor(ctx.config, experts, gpu=ctx.gpu, max_seq_len=ctx.max_seq_len,
                               max_batch=ctx.max_batch, placement=self.placement, popularity=self.popularity,
                               planner=self.planner, latency_model=self.latency_model, cpu_threads=ctx.cpu_threads,
                               seed=ctx.seed, dtype=ctx.dtype, overlap=self.overlap, take_ownership=True,
-                              quant=ctx.quant, residency=self.residency)
+                              quant=ctx.quant, residency=self.residency, lookahead=self.lookahead)

@@ -21,14 +21,16 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .placement import COPY_BUFFERS
-from .planner import COPY, GPU, LayerPlan, paper_rule
+from .planner import COPY, CPU, GPU, LayerPlan, paper_rule
 
 
-def lookahead(counts: Sequence[int], resident_next: Sequence[bool], lm, planner: str) -> list[int]:
-    """The next layer's experts to stage during this layer call: its first COPY_BUFFERS non-resident experts
-    when an expert's share of this call's routed tokens (sum(counts) / experts) makes paper_rule choose b, else
-    none (no latency model, the all-CPU planner, or too few tokens)."""
-    if lm is None or planner == "cpu" or not counts:
+def lookahead(counts: Sequence[int], resident_next: Sequence[bool], lm, planner: str, plan: LayerPlan) -> list[int]:
+    """The next layer's experts to stage during this layer call (`plan` is its plan): its first COPY_BUFFERS
+    non-resident experts when an expert's share of this call's routed tokens (sum(counts) / experts) makes
+    paper_rule choose b and the plan runs no expert on the CPU, else none (no latency model, the all-CPU planner,
+    too few tokens). A call with CPU experts stages nothing: its CPU results come back over the copy engine the
+    staged copies would hold up, and the CPU being worth using says copying is not yet the cheaper side."""
+    if lm is None or planner == "cpu" or not counts or CPU in plan.decisions:
         return []
     share = sum(counts) // len(counts)
     if share < 1 or paper_rule(share, lm) != COPY:

@@ -13,11 +13,16 @@ from fiddler.config import MoEConfig
 from fiddler.executors import FiddlerPolicy, GpuSide
 from fiddler.latency import LatencyModel
 from fiddler.placement import place
+from fiddler.planner import COPY, CPU, GPU, LayerPlan
 from fiddler.step import Segment
 from fiddler.streaming import lookahead, pipeline
 from tests.models import MIX_LATENCY, hf_model, model_path, prompt
 
 PLACEMENTS = {"none": "none", "half": "fraction:0.5", "all": "all"}
+# Copying in is cheap and the CPU slow: every non-resident routed expert is copied in (a long prompt's plans), so
+# a call with a few tokens an expert stages the next layer's copies. MIX_LATENCY's 40-token plans keep some
+# experts on the CPU, and such calls stage nothing.
+STREAM_LATENCY = LatencyModel.manual(cpu=(1e-2, 1e-2), gpu=(1e-5, 1e-4), transfer=1e-4)
 
 
 def _placement(arch: str, spec):
@@ -34,7 +39,7 @@ def engine(placement, lookahead_on: bool = True, arch: str = "e8k2", dtype: torc
     return Engine.from_pretrained(model_path(arch), dtype=dtype, max_batch=2, max_seq_len=64,
                                   gpu=GpuSide.emulated(1 << 40),
                                   executor=FiddlerPolicy(placement=_placement(arch, placement), residency=residency, planner=planner,
-                                                         latency_model=MIX_LATENCY, lookahead=lookahead_on))
+                                                         latency_model=STREAM_LATENCY, lookahead=lookahead_on))
 
 
 def trace(e: Engine, run) -> list[tuple]:
@@ -78,17 +83,21 @@ def calls(events) -> list[list[tuple]]:
 # ---------------------------------------------------------------------------- the rule and the buffers
 
 def test_the_rule_is_the_planners_kind_b_rule_on_an_experts_share():
-    """MIX_LATENCY: copy + GPU beats the CPU from 2 tokens an expert on; e8k2 routes 2 of 8, so from 8 tokens."""
+    """MIX_LATENCY: copy + GPU beats the CPU from 2 tokens an expert on; e8k2 routes 2 of 8, so from 8 tokens. And
+    only after a call whose plan runs nothing on the CPU (its results would wait behind the staged copies)."""
     res = [True, False, True, False, False, True, True, True]
     counts = lambda tokens: [tokens * 2 // 8] * 8  # noqa: E731 -- an even routing of `tokens`
-    assert lookahead(counts(8), res, MIX_LATENCY, "makespan") == [1, 3]
-    assert lookahead(counts(7), res, MIX_LATENCY, "makespan") == []  # 1 token an expert: the CPU wins
-    assert lookahead(counts(1), res, MIX_LATENCY, "makespan") == []  # decode
-    assert lookahead(counts(40), res, None, "makespan") == []  # no latency model, nothing priced
-    assert lookahead(counts(40), res, MIX_LATENCY, "cpu") == []  # a planner that never copies in
-    assert lookahead(counts(40), [True] * 8, MIX_LATENCY, "paper") == []  # nothing to copy
+    copies = LayerPlan(tuple(GPU if r else COPY for r in res), tuple(counts(8)), 0.0, 0.0)
+    mixed = LayerPlan((GPU, CPU, GPU, COPY, COPY, GPU, GPU, GPU), tuple(counts(8)), 0.0, 0.0)
+    assert lookahead(counts(8), res, MIX_LATENCY, "makespan", copies) == [1, 3]
+    assert lookahead(counts(8), res, MIX_LATENCY, "makespan", mixed) == []
+    assert lookahead(counts(7), res, MIX_LATENCY, "makespan", copies) == []  # 1 token an expert: the CPU wins
+    assert lookahead(counts(1), res, MIX_LATENCY, "makespan", copies) == []  # decode
+    assert lookahead(counts(40), res, None, "makespan", copies) == []  # no latency model, nothing priced
+    assert lookahead(counts(40), res, MIX_LATENCY, "cpu", copies) == []  # a planner that never copies in
+    assert lookahead(counts(40), [True] * 8, MIX_LATENCY, "paper", copies) == []  # nothing to copy
     slow_copy = LatencyModel.manual(cpu=(1e-4, 1e-3), gpu=(1e-5, 1e-4), transfer=1.0)
-    assert lookahead(counts(40), res, slow_copy, "makespan") == []
+    assert lookahead(counts(40), res, slow_copy, "makespan", copies) == []
 
 
 def test_pipeline_buffers():
@@ -149,7 +158,7 @@ def test_copies_ahead_go_out_as_each_buffer_is_last_used(placement, arch):
         ahead = [i for i, ev in enumerate(evs) if ev[0] == "copy" and ev[1] == layer + 1]
         own = [i for i, ev in enumerate(evs) if ev[0] == "copy" and ev[1] == layer]
         runs = [i for i, ev in enumerate(evs) if ev[0] == "run"]
-        assert len(ahead) == 2  # 40 tokens: an expert's share makes copying cheaper with MIX_LATENCY
+        assert len(ahead) == 2  # 40 tokens: an expert's share makes copying cheaper with STREAM_LATENCY
         staged_somewhere = True
         assert max(own, default=-1) < min(ahead)  # this layer's own copies first on the copy stream
         # the first goes out before this layer's last expert runs, the second at the latest right after it
@@ -249,7 +258,7 @@ def _simulated(e: Engine, n: int, new: int, seed: int, lookahead_on: bool = True
     finally:
         ex.recorder = None
     pol = FiddlerSimPolicy(placement=ex.placement, residency=residency, lookahead=lookahead_on)
-    pol.latency_model_override = MIX_LATENCY.to_dict()
+    pol.latency_model_override = STREAM_LATENCY.to_dict()
     hw = SimHardware.build(HardwareSpec(1000, 100, 10, 100, 8, "avx2", 8), Efficiency.for_classes("amd_zen"),
                            measured_limit=False)
     ctx = SimContext(e.config, torch.float32, hw, 1 << 40, max_seq_len=64, max_batch=2)
@@ -274,7 +283,7 @@ def test_the_simulator_stages_the_copies_the_executor_stages(arch, placement, re
 
 
 def test_look_ahead_on_the_clock():
-    """Every non-resident expert copied in (planner gpu; the rule priced by MIX_LATENCY, under which copying wins):
+    """Every non-resident expert copied in (planner gpu; the rule priced by STREAM_LATENCY, under which copying wins):
     look-ahead stages two copies per layer under the previous layer's experts and the attention, wastes none, and
     the prefill ends earlier than without it, with the copy engine busy exactly as long."""
     from fiddler.latency import HardwareSpec
@@ -288,7 +297,7 @@ def test_look_ahead_on_the_clock():
     out = {}
     for on in (True, False):
         pol = FiddlerSimPolicy(planner="gpu", placement="none", lookahead=on)
-        pol.latency_model_override = MIX_LATENCY.to_dict()
+        pol.latency_model_override = STREAM_LATENCY.to_dict()
         ctx = SimContext(cfg, torch.float32, hw, 1 << 40, max_seq_len=256, max_batch=1)
         pol.setup(ctx)
         routing = ProfileRouting(Popularity.for_config(cfg, None), seed=0)

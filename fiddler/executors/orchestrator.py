@@ -467,9 +467,10 @@ class FiddlerExecutor(ExpertExecutor):
             self.stats.bytes_d2h_activations += x.numel() * x.element_size()
         # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
         # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
-        staged, ahead = self._take_staged(layer), self._ahead(layer, host.counts)
+        staged = self._take_staged(layer)
         plan: LayerPlan = streaming.plan(self.planner, host.counts, self.cache.resident[layer], self.latency_model,
                                          staged)
+        ahead = self._ahead(layer, host.counts, plan)
         installs = self._fill(layer, host.counts, plan, bool(ahead)) if self.cache.adaptive else ()
         if ahead and self.cache.adaptive:  # the step may have moved a staged expert into a slot
             ahead = [e for e in ahead if not self.cache.resident[layer + 1][e]]
@@ -574,11 +575,11 @@ class FiddlerExecutor(ExpertExecutor):
             return {}
         return staged
 
-    def _ahead(self, layer: int, counts) -> list[int]:
+    def _ahead(self, layer: int, counts, plan: LayerPlan) -> list[int]:
         """The next layer's experts this call stages (fiddler.streaming.lookahead)."""
         if not self.lookahead or layer + 1 >= self.config.num_moe_layers:
             return []
-        return lookahead(counts, self.cache.resident[layer + 1], self.latency_model, self.planner_name)
+        return lookahead(counts, self.cache.resident[layer + 1], self.latency_model, self.planner_name, plan)
 
     def _gpu_queue(self, layer: int, plan: LayerPlan, run, staged: dict[int, int] = {},  # noqa: B006 -- read only
                    ahead: list[int] = ()) -> None:

@@ -180,7 +180,7 @@ class FiddlerSimPolicy(SimPolicy):
         t_attn = self._attention(clock, ctx, step, decoder_layer, ready)
         ahead = []
         if ctx.has_gpu and self.lookahead and layer + 1 < len(self.cache.resident):
-            ahead = lookahead(counts, self.cache.resident[layer + 1], self.lm, self.active_planner)
+            ahead = lookahead(counts, self.cache.resident[layer + 1], self.lm, self.active_planner, plan)
         installs, promoted = (self._fill(clock, ctx, layer, counts, plan, t_attn, bool(ahead)) if ctx.has_gpu
                               else ([], ()))
         if not ctx.has_gpu:

@@ -39,7 +39,7 @@ from ..gpu_side import GpuSide
 from ..kernel_loader import load_kernels
 from ..kernels import layout
 from ..latency import LatencyModel, calibrate
-from ..placement import COPY_BUFFERS, Placement, place_spec
+from ..placement import COPY_BUFFERS, EXPERT_ROW_CHUNK, Placement, place_spec, row_chunks
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
@@ -645,13 +645,20 @@ class FiddlerExecutor(ExpertExecutor):
 
     def _gpu_expert(self, w: ExpertWeights, groups: ExpertGroups, e: int, x, x_in, topk_w,
                     combined: SlotOutputs) -> None:
-        tok = groups.tokens(e)
-        if x_in.dtype == torch.float32 and self.dtype != torch.float32:
-            # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
-            y_e = torch_expert(self._dense(w, torch.float32), x_in.index_select(0, tok)).to(self.dtype)
-        else:  # a lone row routed here needs no gather (decode: one launch fewer per expert)
-            y_e = torch_expert(self._dense(w), x if x.shape[0] == 1 else x.index_select(0, tok))
-        combined.put_flat(groups.flat(e), y_e, topk_w)
+        """Expert e's routed rows on the GPU side, at most EXPERT_ROW_CHUNK at a time (fiddler.placement.row_chunks:
+        the placement reserves one chunk's intermediates)."""
+        tok, flat, n = groups.tokens(e), groups.flat(e), groups.counts[e]
+        # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
+        fp32_in = x_in.dtype == torch.float32 and self.dtype != torch.float32
+        dense = self._dense(w, torch.float32) if fp32_in else self._dense(w)
+        for a, b in row_chunks(n, EXPERT_ROW_CHUNK) if n > EXPERT_ROW_CHUNK else ((0, n),):
+            if n > EXPERT_ROW_CHUNK:
+                tok, flat = groups.tokens(e)[a:b], groups.flat(e)[a:b]
+            if fp32_in:
+                y_e = torch_expert(dense, x_in.index_select(0, tok)).to(self.dtype)
+            else:  # a lone row routed here needs no gather (decode: one launch fewer per expert)
+                y_e = torch_expert(dense, x if x.shape[0] == 1 else x.index_select(0, tok))
+            combined.put_flat(flat, y_e, topk_w)
 
     def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, ids: list[int], topk_w: torch.Tensor,
                            plan: LayerPlan, t_start: float) -> torch.Tensor:

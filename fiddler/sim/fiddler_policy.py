@@ -29,7 +29,7 @@ import numpy as np
 
 from ..executors.orchestrator import FiddlerStats, LayerStats
 from ..latency import LatencyModel
-from ..placement import COPY_BUFFERS, Placement, place, place_spec
+from ..placement import COPY_BUFFERS, Placement, place, place_spec, row_chunks
 from ..planner import COPY, CPU, GPU, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Install, Promote, make_policy
@@ -228,9 +228,9 @@ class FiddlerSimPolicy(SimPolicy):
         stage(-1, t_attn)
         g = c_done if not self.overlap else t_attn
         for e in plan.experts(GPU):
-            g = clock.gpu.run(g, hw.gpu(eb, fpt * counts[e]))
+            g = clock.gpu.run(g, _expert_on_gpu(hw, eb, fpt, counts[e]))
         for i, e in enumerate(p.order):
-            g = clock.gpu.run(max(g, in_at[i]), hw.gpu(eb, fpt * counts[e]))
+            g = clock.gpu.run(max(g, in_at[i]), _expert_on_gpu(hw, eb, fpt, counts[e]))
             if e in promoted:  # its weights from the buffer into an evicted slot
                 g = clock.gpu.run(g, hw.gpu(2 * eb, 0.0))
             if i + COPY_BUFFERS < len(p.order):  # its buffer is free again: the copy two later goes in
@@ -267,6 +267,13 @@ class FiddlerSimPolicy(SimPolicy):
         return {"policy": self.name, "planner": self.active_planner, "overlap": self.overlap,
                 "placement": {k: v for k, v in self.placement.to_dict().items() if k != "resident"},
                 "latency_model": _finite({k: v for k, v in self.lm.to_dict().items() if k not in ("meta", "samples")})}
+
+
+def _expert_on_gpu(hw, expert_bytes: float, flops_per_token: float, rows: int) -> float:
+    """An expert's rows on the GPU side as the executor runs them: in row_chunks(rows) chunks, each reading the
+    weights and launching its own ops (fiddler.placement.EXPERT_ROW_CHUNK)."""
+    chunks = len(row_chunks(rows))
+    return hw.gpu(expert_bytes * chunks, flops_per_token * rows, chunks)
 
 
 def _finite(lm: dict[str, Any]) -> dict[str, Any]:

@@ -307,3 +307,25 @@ def test_look_ahead_on_the_clock():
     assert on.stats["weight_copies"] == off.stats["weight_copies"] == cfg.num_moe_layers * cfg.expert_slots
     assert on.lanes_busy_s["h2d"] == pytest.approx(off.lanes_busy_s["h2d"])
     assert on.ttft_s < off.ttft_s
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("placement", ["none", "fraction:0.5"])
+def test_cuda_staged_copies_through_the_copy_stream(placement, dtype):
+    """On CUDA the staged copies go on the copy stream, after the events of their buffers' last reads, and the
+    next layer's compute waits for them by event, with no host wait in between: the same logits and tokens as
+    without look-ahead (the same plans: STREAM_LATENCY copies every non-resident expert in), in chunks too."""
+    def build(on: bool) -> Engine:
+        return Engine.from_pretrained(model_path("e16k4_odd"), dtype=dtype, max_batch=1, max_seq_len=64,
+                                      gpu=GpuSide.cuda(256 << 20),
+                                      executor=FiddlerPolicy(placement=placement, latency_model=STREAM_LATENCY,
+                                                             lookahead=on))
+
+    on, off = build(True), build(False)
+    ids = prompt(40, on.config.vocab_size, seed=31)
+    assert torch.equal(on.forward_logits(ids), off.forward_logits(ids))
+    assert torch.equal(on.generate(ids, max_new_tokens=6).tokens, off.generate(ids, max_new_tokens=6).tokens)
+    assert torch.equal(_chunked(on, ids, (16, 28, 40)), _chunked(off, ids, (16, 28, 40)))
+    assert on.executor.stats.copies_ahead > 0 and off.executor.stats.copies_ahead == 0

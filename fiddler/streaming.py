@@ -7,7 +7,7 @@ running it on the CPU for an expert's share of them (the planner's own rule for 
 layer, which routes the same tokens, will copy its non-resident experts in too: so its first copies are issued
 now, into the copy buffers as this call's last uses of them end, and they overlap this layer's experts and the
 next layer's attention. The next layer plans with a staged expert priced as resident (its copy is paid for, and
-in its buffer or on its way: `plan`) and runs it from its buffer as kind b (`pipeline`); a staged expert the next
+in its buffer or on its way: `staged_plan`) and runs it from its buffer as kind b (`pipeline`); a staged expert the next
 layer routes no token to, or that became resident meanwhile, was a wasted copy (FiddlerStats.copies_ahead_unused).
 
 The buffers are the executor's COPY_BUFFERS copy buffers, which the GPU budget already pays for
@@ -38,7 +38,7 @@ def lookahead(counts: Sequence[int], resident_next: Sequence[bool], lm, planner:
     return [e for e, r in enumerate(resident_next) if not r][:COPY_BUFFERS]
 
 
-def plan(planner: Callable[..., LayerPlan], counts: Sequence[int], resident: Sequence[bool], lm,
+def staged_plan(planner: Callable[..., LayerPlan], counts: Sequence[int], resident: Sequence[bool], lm,
          staged: Collection[int]) -> LayerPlan:
     """The layer call's plan where the previous call staged copies for it: `planner` sees a staged expert as
     resident (kind a: no copy to pay for any more), and the plan runs it from its buffer (kind b)."""

@@ -38,8 +38,9 @@ def engine(placement, lookahead_on: bool = True, arch: str = "e8k2", dtype: torc
            residency: str = "static", planner: str = "makespan") -> Engine:
     return Engine.from_pretrained(model_path(arch), dtype=dtype, max_batch=2, max_seq_len=64,
                                   gpu=GpuSide.emulated(1 << 40),
-                                  executor=FiddlerPolicy(placement=_placement(arch, placement), residency=residency, planner=planner,
-                                                         latency_model=STREAM_LATENCY, lookahead=lookahead_on))
+                                  executor=FiddlerPolicy(placement=_placement(arch, placement), residency=residency,
+                                                         planner=planner, latency_model=STREAM_LATENCY,
+                                                         lookahead=lookahead_on))
 
 
 def trace(e: Engine, run) -> list[tuple]:

@@ -43,8 +43,7 @@ from ..placement import COPY_BUFFERS, EXPERT_ROW_CHUNK, Placement, place_spec, r
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
-from .. import streaming
-from ..streaming import Pipeline, lookahead, pipeline
+from ..streaming import Pipeline, lookahead, pipeline, staged_plan
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase
 from .copy_in import CopyIn
@@ -468,8 +467,7 @@ class FiddlerExecutor(ExpertExecutor):
         # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
         # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
         staged = self._take_staged(layer)
-        plan: LayerPlan = streaming.plan(self.planner, host.counts, self.cache.resident[layer], self.latency_model,
-                                         staged)
+        plan: LayerPlan = staged_plan(self.planner, host.counts, self.cache.resident[layer], self.latency_model, staged)
         ahead = self._ahead(layer, host.counts, plan)
         installs = self._fill(layer, host.counts, plan, bool(ahead)) if self.cache.adaptive else ()
         if ahead and self.cache.adaptive:  # the step may have moved a staged expert into a slot
@@ -581,7 +579,7 @@ class FiddlerExecutor(ExpertExecutor):
             return []
         return lookahead(counts, self.cache.resident[layer + 1], self.latency_model, self.planner_name, plan)
 
-    def _gpu_queue(self, layer: int, plan: LayerPlan, run, staged: dict[int, int] = {},  # noqa: B006 -- read only
+    def _gpu_queue(self, layer: int, plan: LayerPlan, run, staged: dict[int, int] | None = None,
                    ahead: list[int] = ()) -> None:
         """The GPU side's experts of a plan, run(weights, e) each: resident ones, then copied-in ones through the
         double buffer (fiddler.streaming.pipeline: the buffer of each, and which were staged by the previous
@@ -589,6 +587,7 @@ class FiddlerExecutor(ExpertExecutor):
         planned); on CUDA the copy of the next expert overlaps the current one's compute. The next layer's
         `ahead` experts are copied in as soon as this call's last use of a buffer is issued (at the start for
         a buffer it does not use), before this layer's later experts run."""
+        staged = staged or {}
         p = pipeline(plan.experts(COPY), staged, ahead)
         self.stats.copies_ahead_unused += len(staged) - len(p.staged)
         for e, slot in zip(p.order[:COPY_BUFFERS], p.slots):

@@ -33,8 +33,7 @@ from ..placement import COPY_BUFFERS, Placement, place, place_spec, row_chunks
 from ..planner import COPY, CPU, GPU, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Install, Promote, make_policy
-from .. import streaming
-from ..streaming import lookahead, pipeline
+from ..streaming import lookahead, pipeline, staged_plan
 from .clock import Clock
 from .simulator import SimContext, SimPolicy, Step
 
@@ -145,7 +144,7 @@ class FiddlerSimPolicy(SimPolicy):
         key = (layer, counts, tuple(resident), tuple(sorted(staged)))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = streaming.plan(self.planner, list(counts), resident, self.lm, staged)
+            plan = self._plans[key] = staged_plan(self.planner, list(counts), resident, self.lm, staged)
         return plan
 
     def _fill(self, clock: Clock, ctx: SimContext, layer: int, counts: tuple, plan, start: float,

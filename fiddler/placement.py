@@ -28,6 +28,26 @@ from .popularity import Popularity
 # The executor double-buffers copied-in experts: one buffer is computed on while the next expert is
 # copied into the other (fiddler/executors/orchestrator.py uses exactly this many).
 COPY_BUFFERS = 2
+# The GPU side computes an expert's rows at most this many at a time (the executor, and the simulator's cost of
+# it), so a long prompt reserves one chunk's intermediates, not its whole length's: Mixtral-8x7B at 32K tokens
+# needs 4 GiB for one expert's gate/up/product rows, 0.5 GiB for 4096. The weights are read once per chunk, which
+# 4096 rows' compute hides on any GPU.
+EXPERT_ROW_CHUNK = 4096
+
+
+def row_chunks(rows: int, most: int | None = None) -> list[tuple[int, int]]:
+    """The [start, end) row ranges the GPU side computes an expert's `rows` in: as few as hold at most `most`
+    (default EXPERT_ROW_CHUNK) rows each, of equal size to a row, so none is a sliver of a few rows (a GEMM of a few
+    rows takes other kernels, and other roundings, than the same rows inside a big one)."""
+    most = most or EXPERT_ROW_CHUNK
+    k = max(1, -(-rows // most))
+    size, extra = divmod(rows, k)
+    bounds, start = [], 0
+    for i in range(k):
+        end = start + size + (i < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: int) -> dict[str, int]:
@@ -35,14 +55,17 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
 
     Counts the tensors fiddler/model.py and fiddler/executors/ create: the residual stream and its
     normed copy; attention q/k/v/output and the boolean mask of the masked SDPA path (SDPA's fused
-    kernels do not materialise scores); the MoE block's per-slot outputs, gathered rows, the largest
-    expert's intermediates (all T tokens may route to one expert), CPU results copied back, routing
-    indices; and fp32 logits of the last position. Attention and MoE are not live at the same time.
+    kernels do not materialise scores); the MoE block's per-slot outputs, one expert's gathered rows and
+    intermediates for EXPERT_ROW_CHUNK rows (the GPU side computes an expert's rows in chunks that big; a
+    dense layer's MLP runs on all T rows at once), CPU results copied back, routing indices; and fp32
+    logits of the last position. Attention and MoE are not live at the same time.
     """
     s = dtype.itemsize
     T = max_seq_len * max_batch
     H, K = config.hidden_size, config.active_slots
-    F = max(config.intermediate_size, config.dense_intermediate_size)  # an expert, or a dense layer's MLP
+    # gathered rows, output, gate, up, silu, product: of one expert's chunk of rows, or a dense layer's MLP's rows
+    ffn = max(min(T, EXPERT_ROW_CHUNK) * (2 * H + 4 * config.intermediate_size),
+              T * (2 * H + 4 * config.dense_intermediate_size) if config.dense_intermediate_size else 0)
     nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     residual = 2 * T * H * s
     if config.attention == "mla":  # queries, expanded keys/values (and the kv_b_proj output they come from), output
@@ -53,7 +76,7 @@ def activation_bytes(config, dtype: torch.dtype, max_seq_len: int, max_batch: in
     attention += max_batch * max_seq_len * max_seq_len
     moe = (2 * T * K * H * s          # per-slot weighted outputs + CPU-expert results copied back
            + T * H * s                 # combined output
-           + T * (2 * H + 4 * F) * s   # one expert: gathered rows, output, gate, up, silu, product
+           + ffn * s                   # one expert's chunk of rows (or a dense MLP) in flight
            + 3 * T * K * 8)            # int64 sort order, token and slot indices
     logits = max_batch * config.vocab_size * 4
     return {"residual": residual, "attention_or_moe": max(attention, moe), "logits": logits}

@@ -339,14 +339,15 @@ class ExpertCache:
     def reset_stats(self) -> None:
         self.stats = CacheStats(by_layer=[0] * len(self.resident))
 
-    def copy_slack(self, plan, lm) -> float:
+    def copy_slack(self, plan, lm, streams: bool = False) -> float:
         """Seconds the copy engine is idle from the start of this layer call, by the planner's prediction: none
-        where the plan copies experts in (kind b), else until the CPU queue's results come back (its predicted
+        where the plan copies experts in (kind b) or the call stages the next layer's copies (`streams`,
+        fiddler.streaming), else until the CPU queue's results come back (its predicted
         CPU time), or the whole makespan where no expert runs on the CPU. Without a latency model, one expert's
         copy per call (the planner prices nothing then, and a fill must still finish)."""
         from .planner import COPY, CPU  # at call time: the planner imports torch
 
-        if COPY in plan.decisions:
+        if streams or COPY in plan.decisions:
             return 0.0
         if lm is None:
             return float("inf")
@@ -379,7 +380,9 @@ class ExpertCache:
             out.append(Promote(layer, e, *v))
         return out
 
-    def step(self, layer: int, counts: Sequence[int], plan, lm) -> list[Chunk | Install | Promote]:
+    def step(self, layer: int, counts: Sequence[int], plan, lm, streams: bool = False) -> list[Chunk | Install | Promote]:
+        """streams: this call also copies the next layer's experts into the copy buffers (fiddler.streaming), which
+        takes the fill's buffer and the copy engine's idle time."""
         pol = self.policy
         if not pol.adaptive:  # nothing to learn or fill (hits are FiddlerStats.gpu_hit_rate's: kind a)
             return []
@@ -400,10 +403,10 @@ class ExpertCache:
         from .placement import COPY_BUFFERS
         from .planner import COPY
 
-        if f.done and plan.decisions.count(COPY) >= COPY_BUFFERS:  # the copy pipeline takes the fill's buffer
+        if f.done and (streams or plan.decisions.count(COPY) >= COPY_BUFFERS):  # the copies take the fill's buffer
             f.done = 0
             st.restarted += 1
-        slack = self.copy_slack(plan, lm)
+        slack = self.copy_slack(plan, lm, streams)
         if slack > 0:
             t = lm.transfer() if lm is not None else 0.0
             room = self.host_bytes if t <= 0 or slack == float("inf") else int(slack / t * self.host_bytes)

@@ -7,6 +7,9 @@ Per layer and step: count the tokens routed to each expert, ask the planner for 
 - meanwhile the calling thread runs the GPU queue: the copies into both buffers are issued first, then
   the resident experts run, then the copied-in ones through the double buffer (on CUDA the copy of the
   next expert overlaps the current one's compute);
+- when the call's tokens make copying in cheaper than the CPU (a long prompt), the next MoE layer's first
+  non-resident experts are copied into the buffers as this call's last uses of them end (look-ahead,
+  fiddler.streaming), so its copies run under this layer's experts and the next layer's attention;
 - outputs are combined like transformers' Mixtral (routing.SlotOutputs).
 
 Each expert has one host copy: the packed one the CPU kernel runs from (kind c), which kind b copies as
@@ -36,10 +39,11 @@ from ..gpu_side import GpuSide
 from ..kernel_loader import load_kernels
 from ..kernels import layout
 from ..latency import LatencyModel, calibrate
-from ..placement import COPY_BUFFERS, Placement, place_spec
+from ..placement import COPY_BUFFERS, EXPERT_ROW_CHUNK, Placement, place_spec, row_chunks
 from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
+from ..streaming import Pipeline, lookahead, pipeline, staged_plan
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase, add_residual
 from .copy_in import CopyIn
@@ -85,6 +89,8 @@ class FiddlerStats(StatsBase):
     tokens: dict[str, int] = field(default_factory=kind_counter)
     experts: dict[str, int] = field(default_factory=kind_counter)
     weight_copies: int = 0
+    copies_ahead: int = 0  # of weight_copies: the next layer's, staged during a layer call (fiddler.streaming)
+    copies_ahead_unused: int = 0  # of copies_ahead: experts the next layer's plan did not copy in after all
     bytes_h2d_weights: int = 0
     bytes_d2h_activations: int = 0
     bytes_h2d_activations: int = 0
@@ -157,9 +163,10 @@ class FiddlerExecutor(ExpertExecutor):
                  placement: Placement, planner: str, latency_model: LatencyModel | dict | None,
                  threads: Threads, use_kernel: bool = True, calibration_tokens: int = 128,
                  take_ownership: bool = False, quant: str | None = None, residency: str = "static",
-                 popularity=None):
+                 popularity=None, lookahead: bool = True):
         """residency: fiddler.residency's policy (static, lru, lfu), seeded from `popularity` (its shares; None:
-        uniform). Without a GPU side there is nothing resident and the policy is static."""
+        uniform). Without a GPU side there is nothing resident and the policy is static. lookahead: stage the
+        next layer's copies during a long prompt's layer call (fiddler.streaming; False: the ablation)."""
         self.config, self.gpu, self.dtype = config, gpu, dtype
         self.device = gpu.device
         self.cuda = gpu.is_cuda
@@ -209,6 +216,8 @@ class FiddlerExecutor(ExpertExecutor):
         self._off_gpu = [not all(r) for r in placement.resident]  # layers with experts the CPU may run
         self._scratch = Scratch()  # a layer call's gathered rows (routing.Scratch)
         self._promotions: dict[int, Promote] = {}  # this call's copied-in experts that stay (fiddler.residency)
+        self.lookahead = bool(lookahead) and gpu.has_gpu
+        self._staged: tuple[int | None, dict[int, int]] = (None, {})  # (layer, {expert: buffer}) copied ahead
         self._pool: ThreadPoolExecutor | None = None
         self.stats = FiddlerStats()
         self.reset_stats()
@@ -459,11 +468,16 @@ class FiddlerExecutor(ExpertExecutor):
             self.stats.bytes_d2h_activations += x.numel() * x.element_size()
         # One plan per layer call, whichever path runs it: a decode row whose plan puts every routed expert on
         # the CPU goes to the fused kernel call, anything else to the general path with the same plan.
-        plan: LayerPlan = self.planner(host.counts, self.cache.resident[layer], self.latency_model)
-        installs = self._fill(layer, host.counts, plan) if self.cache.adaptive else ()
+        staged = self._take_staged(layer)
+        plan: LayerPlan = staged_plan(self.planner, host.counts, self.cache.resident[layer], self.latency_model, staged)
+        ahead = self._ahead(layer, host.counts, plan)
+        installs = self._fill(layer, host.counts, plan, bool(ahead)) if self.cache.adaptive else ()
+        if ahead and self.cache.adaptive:  # the step may have moved a staged expert into a slot
+            ahead = [e for e in ahead if not self.cache.resident[layer + 1][e]]
         if (T == 1 and self.fused_decode and self.packed_host and off_gpu and host.x.is_contiguous()
                 and host.w.dtype == torch.bfloat16 and max(host.counts) == 1
                 and all(d is None or d == CPU for d in plan.decisions)):
+            self.stats.copies_ahead_unused += len(staged)
             return self._install(installs, add_residual(residual, self._decode_row_on_cpu(layer, host.x, host.row_ids,
                                                                                      host.w, plan, t_start)))
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
@@ -471,7 +485,7 @@ class FiddlerExecutor(ExpertExecutor):
         cpu_experts = plan.experts(CPU)
         if T == 1 and not cpu_experts:
             return self._install(installs, self._row_on_gpu_side(layer, x, x_in, host.row_ids, topk_w, plan, t_start,
-                                                                 residual))
+                                                                 staged, ahead, residual))
         groups = ExpertGroups(topk_idx, E, layer, host.counts)  # where the combination is: the GPU side
         combined = SlotOutputs(x, K, self._scratch, gpu_side=self.gpu.has_gpu)
 
@@ -494,7 +508,8 @@ class FiddlerExecutor(ExpertExecutor):
             prev_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads.gpu_side)
         try:
-            self._gpu_queue(layer, plan, lambda w, e: self._gpu_expert(w, groups, e, x, x_in, topk_w, combined))
+            self._gpu_queue(layer, plan, lambda w, e: self._gpu_expert(w, groups, e, x, x_in, topk_w, combined),
+                            staged, ahead)
         finally:
             if prev_threads is not None:
                 torch.set_num_threads(prev_threads)
@@ -514,12 +529,13 @@ class FiddlerExecutor(ExpertExecutor):
 
     # ------------------------------------------------------------------ the resident set adapting
 
-    def _fill(self, layer: int, counts, plan: LayerPlan) -> list:
+    def _fill(self, layer: int, counts, plan: LayerPlan, streams: bool = False) -> list:
         """The cache's step for this call (fiddler.residency.ExpertCache), as the call is planned: its chunk of
         the fill goes to the copy engine now (the cache sized it to the engine's predicted idle time in this
-        call); the installs it returns wait for the end of the call (`_install`)."""
+        call; none where this call stages the next layer's copies: they take the buffers); the installs it
+        returns wait for the end of the call (`_install`)."""
         installs = []
-        for a in self.cache.step(layer, counts, plan, self.latency_model):
+        for a in self.cache.step(layer, counts, plan, self.latency_model, streams):
             if isinstance(a, Chunk):
                 srcs = self._host_tensors(self._holding(a.layer, a.expert))
                 self.copy_in.copy(FILL, *_byte_range(self.buffers[FILL], srcs, a.start, a.end))
@@ -550,35 +566,70 @@ class FiddlerExecutor(ExpertExecutor):
                 dst.copy_(src)
         self.resident[a.layer][a.expert], self.resident[a.victim_layer][a.victim] = slot, None
 
-    def _gpu_queue(self, layer: int, plan: LayerPlan, run, run_resident=None) -> None:
+    def _take_staged(self, layer: int) -> dict[int, int]:
+        """The copies the previous layer call staged for this one ({expert: buffer}; none if it was another
+        layer's call, e.g. a forward that ended there): taken, so a later call cannot reuse them."""
+        at, staged = self._staged
+        self._staged = (None, {})
+        if at is not None and at != layer:
+            self.stats.copies_ahead_unused += len(staged)
+            return {}
+        return staged
+
+    def _ahead(self, layer: int, counts, plan: LayerPlan) -> list[int]:
+        """The next layer's experts this call stages (fiddler.streaming.lookahead)."""
+        if not self.lookahead or layer + 1 >= self.config.num_moe_layers:
+            return []
+        return lookahead(counts, self.cache.resident[layer + 1], self.latency_model, self.planner_name, plan)
+
+    def _gpu_queue(self, layer: int, plan: LayerPlan, run, staged: dict[int, int] | None = None,
+                   ahead: list[int] = (), run_resident=None) -> None:
         """The GPU side's experts of a plan, run(weights, e) each: resident ones (all in one
-        run_resident([(weights, e), ...]) where given), then copied-in ones through the double buffer. Both
-        buffers' copies are issued first, so they overlap the resident experts (as planned); on CUDA the copy
-        of the next expert overlaps the current one's compute."""
-        copied = plan.experts(COPY)
-        for i, e in enumerate(copied[:COPY_BUFFERS]):
-            self._copy_in(layer, e, i)
+        run_resident([(weights, e), ...]) where given), then copied-in ones through the
+        double buffer (fiddler.streaming.pipeline: the buffer of each, and which were staged by the previous
+        layer call). The first buffers' copies are issued first, so they overlap the resident experts (as
+        planned); on CUDA the copy of the next expert overlaps the current one's compute. The next layer's
+        `ahead` experts are copied in as soon as this call's last use of a buffer is issued (at the start for
+        a buffer it does not use), before this layer's later experts run."""
+        staged = staged or {}
+        p = pipeline(plan.experts(COPY), staged, ahead)
+        self.stats.copies_ahead_unused += len(staged) - len(p.staged)
+        for e, slot in zip(p.order[:COPY_BUFFERS], p.slots):
+            if e not in p.staged:
+                self._copy_in(layer, e, slot)
+        self._stage(layer, p, -1)
         resident = [(self.resident[layer][e], e) for e in plan.experts(GPU)]
         if run_resident is not None:
             run_resident(resident)
         else:
             for w, e in resident:
                 run(w, e)
-        for i, e in enumerate(copied):
-            slot = i % COPY_BUFFERS
+        for i, e in enumerate(p.order):
+            slot = p.slots[i]
             w = self._copied(slot)
             run(w, e)
             if self._promotions:
-                p = self._promotions.pop(e, None)
-                if p is not None:
-                    self._into_slot(p, w)
+                p_ = self._promotions.pop(e, None)
+                if p_ is not None:
+                    self._into_slot(p_, w)
             if not self.packed_host:
                 self.copy_in.release(slot)
-            if i + COPY_BUFFERS < len(copied):
-                self._copy_in(layer, copied[i + COPY_BUFFERS], slot)
+            if i + COPY_BUFFERS < len(p.order):
+                self._copy_in(layer, p.order[i + COPY_BUFFERS], p.slots[i + COPY_BUFFERS])
+            self._stage(layer, p, i)
+
+    def _stage(self, layer: int, p: Pipeline, i: int) -> None:
+        """Issue the next layer's copies whose buffer's last use in this call is order[i] (i = -1: unused). They go
+        into the same COPY_BUFFERS buffers (the placement's reservation pays for them: `expert_copy_buffers`, on
+        pinned host copies on CUDA), so look-ahead costs no GPU memory."""
+        for e, slot in p.ahead_after(i):
+            self._copy_in(layer + 1, e, slot)
+            self.stats.copies_ahead += 1
+            at, staged = self._staged
+            self._staged = (layer + 1, {**(staged if at == layer + 1 else {}), e: slot})
 
     def _row_on_gpu_side(self, layer: int, x: torch.Tensor, x_in: torch.Tensor, ids: list[int],
-                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float,
+                         topk_w: torch.Tensor, plan: LayerPlan, t_start: float, staged, ahead,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
         """One token whose routed experts all run on the GPU side (decode): each expert writes its output
         straight into its slot's row, so there is nothing to group, gather or scatter; the resident experts
@@ -606,7 +657,7 @@ class FiddlerExecutor(ExpertExecutor):
             rows = self._scratch.take("w13_rows", (len(ws), ws[0].w13.shape[0]), self.dtype, x.device)
             torch_experts_row(ws, x, [slots[slot_of[e]:slot_of[e] + 1] for _, e in resident], rows)
 
-        self._gpu_queue(layer, plan, run, run_resident)
+        self._gpu_queue(layer, plan, run, staged, ahead, run_resident)
         if residual is not None and topk_w.dtype == slots.dtype == residual.dtype:
             out = torch.addmm(residual, topk_w.reshape(1, K), slots)  # residual + sum_k w_k * slot_k, one op
         else:
@@ -616,13 +667,20 @@ class FiddlerExecutor(ExpertExecutor):
 
     def _gpu_expert(self, w: ExpertWeights, groups: ExpertGroups, e: int, x, x_in, topk_w,
                     combined: SlotOutputs) -> None:
-        tok = groups.tokens(e)
-        if x_in.dtype == torch.float32 and self.dtype != torch.float32:
-            # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
-            y_e = torch_expert(self._dense(w, torch.float32), x_in.index_select(0, tok)).to(self.dtype)
-        else:  # a lone row routed here needs no gather (decode: one launch fewer per expert)
-            y_e = torch_expert(self._dense(w), x if x.shape[0] == 1 else x.index_select(0, tok))
-        combined.put_flat(groups.flat(e), y_e, topk_w)
+        """Expert e's routed rows on the GPU side, at most EXPERT_ROW_CHUNK at a time (fiddler.placement.row_chunks:
+        the placement reserves one chunk's intermediates)."""
+        tok, flat, n = groups.tokens(e), groups.flat(e), groups.counts[e]
+        # fp32 activations (fp32_inputs): fp32 compute on the dequantized weights, as the CPU kernel
+        fp32_in = x_in.dtype == torch.float32 and self.dtype != torch.float32
+        dense = self._dense(w, torch.float32) if fp32_in else self._dense(w)
+        for a, b in row_chunks(n, EXPERT_ROW_CHUNK) if n > EXPERT_ROW_CHUNK else ((0, n),):
+            if n > EXPERT_ROW_CHUNK:
+                tok, flat = groups.tokens(e)[a:b], groups.flat(e)[a:b]
+            if fp32_in:
+                y_e = torch_expert(dense, x_in.index_select(0, tok)).to(self.dtype)
+            else:  # a lone row routed here needs no gather (decode: one launch fewer per expert)
+                y_e = torch_expert(dense, x if x.shape[0] == 1 else x.index_select(0, tok))
+            combined.put_flat(flat, y_e, topk_w)
 
     def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, ids: list[int], topk_w: torch.Tensor,
                            plan: LayerPlan, t_start: float) -> torch.Tensor:
@@ -740,7 +798,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
                    latency_model=None, cpu_threads: int | None = None, seed: int = 0,
                    dtype: torch.dtype | None = None, overlap: bool | None = None,
                    take_ownership: bool = False, quant: str | None = None,
-                   residency: str = "static") -> FiddlerExecutor:
+                   residency: str = "static", lookahead: bool = True) -> FiddlerExecutor:
     """Fiddler's executor for `experts` [layer][expert].
 
     gpu: where the GPU side is and its budget (GpuSide). Without a GPU every expert runs on the CPU (kind
@@ -755,6 +813,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
       kernel computes on them, the GPU side stores/copies them and dequantizes, placement counts them.
     residency: how the resident set changes while it runs (fiddler.residency: "static", "lru", "lfu"); an
       adaptive one fills through the last copy buffer and seeds itself from `popularity`.
+    lookahead: stage the next layer's copies during a long prompt's layer call (fiddler.streaming).
     """
     quant = fquant.check_quant(quant)
     if dtype is None and quant is not None:
@@ -765,7 +824,7 @@ def build_executor(config, experts: list[list[ExpertWeights]], *, gpu: GpuSide, 
     return FiddlerExecutor(config, experts, gpu=gpu, dtype=dtype, placement=pl, planner=planner,
                            latency_model=latency_model, threads=Threads.choose(gpu, dtype, cpu_threads, overlap),
                            calibration_tokens=min(128, max_seq_len * max_batch), take_ownership=take_ownership,
-                           quant=quant, residency=residency, popularity=popularity)
+                           quant=quant, residency=residency, popularity=popularity, lookahead=lookahead)
 
 
 @dataclass(frozen=True)
@@ -779,10 +838,11 @@ class FiddlerPolicy:
     latency_model: Any = None
     overlap: bool | None = None
     residency: str = "static"
+    lookahead: bool = True
 
     def __call__(self, ctx: BuildContext, experts: list[list[ExpertWeights]]) -> FiddlerExecutor:
         return build_executor(ctx.config, experts, gpu=ctx.gpu, max_seq_len=ctx.max_seq_len,
                               max_batch=ctx.max_batch, placement=self.placement, popularity=self.popularity,
                               planner=self.planner, latency_model=self.latency_model, cpu_threads=ctx.cpu_threads,
                               seed=ctx.seed, dtype=ctx.dtype, overlap=self.overlap, take_ownership=True,
-                              quant=ctx.quant, residency=self.residency)
+                              quant=ctx.quant, residency=self.residency, lookahead=self.lookahead)

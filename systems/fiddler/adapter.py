@@ -21,7 +21,7 @@ class FiddlerAdapter(EngineAdapter):
                                     "mode=simulate only; execute mode runs this project's engine")
         popularity = c.popularity(self.model.name)
         return FiddlerPolicy(placement=c.placement.value, popularity=popularity, planner=c.planner.value,
-                             overlap=c.overlap, residency=c.residency.value)
+                             overlap=c.overlap, residency=c.residency.value, lookahead=c.lookahead)
 
     def server_command(self, serve) -> list[str]:
         """fiddler.server with this system's options: the engine's flags from their one table (fiddler/options.py),
@@ -36,10 +36,11 @@ class FiddlerAdapter(EngineAdapter):
             from systems.base import SystemUnavailable
 
             raise SystemUnavailable("system=fiddler_original models the released code in mode=simulate; it has no server")
-        if c.overlap is not None or c.record_routing:
+        if c.overlap is not None or c.record_routing or not c.lookahead:
             from systems.base import SystemUnavailable
 
-            raise SystemUnavailable("fiddler.server takes neither system.overlap nor system.record_routing")
+            raise SystemUnavailable("fiddler.server takes neither system.overlap, system.lookahead=false nor "
+                                    "system.record_routing")
         gb, _ = c.gpu_budget(self.ctx.gpu_memory_gb)  # the server reads it with GpuSide.for_budget_gb
         cmd = [sys.executable, "-m", "fiddler.server", "--model", self.model.path, "--served-model-name",
                self.model.name, "--host", serve.host, "--port", str(serve.port),

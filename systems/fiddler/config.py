@@ -34,6 +34,8 @@ class FiddlerConfig(EngineSystemConfig):
     # paper's), lru, or lfu (decayed frequency, the adaptive default); `placement` says which experts start resident
     residency: Residency = Residency.static
     overlap: Optional[bool] = None  # CPU and GPU queues concurrently; None = the executor's default (ablation: false)
+    # long prompts: stage the next layer's expert copies during a layer call (fiddler.streaming; ablation: false)
+    lookahead: bool = True
     # None (the model dtype), q8_0 or q4_0: experts and attention projections as llama.cpp blocks
     # (fiddler.quant), like for like with system=llama_cpp's quant of the same type (quant_policy: pure)
     quant: Optional[str] = None
@@ -75,7 +77,8 @@ class FiddlerConfig(EngineSystemConfig):
         from fiddler.sim import FiddlerSimPolicy
 
         return FiddlerSimPolicy(planner=self.planner.value, placement=self.placement.value,
-                                overlap=self.overlap is not False, quant=self.quant, residency=self.residency.value)
+                                overlap=self.overlap is not False, quant=self.quant, residency=self.residency.value,
+                                lookahead=self.lookahead)
 
 
 @dataclass

@@ -50,10 +50,10 @@ def trace(e: Engine, run) -> list[tuple]:
     ex, events, layer_now = e.executor, [], [None]
     real_forward, real_copy, real_expert = ex.forward, ex._copy_in, ex._gpu_expert
 
-    def forward(layer, *a):
+    def forward(layer, *a, **kw):
         layer_now[0] = layer
         events.append(("call", layer))
-        return real_forward(layer, *a)
+        return real_forward(layer, *a, **kw)
 
     def copy_in(layer, e_, slot):
         events.append(("copy", layer, e_, slot))

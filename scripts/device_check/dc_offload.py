@@ -244,17 +244,43 @@ def section_offload(ctx: Ctx) -> dict:
     return result
 
 
+def hbm_read_gbps(ctx: Ctx) -> dict:
+    """The GPU memory's read rate, measured independently of the engine: the best of 5 sums over a 4 GiB
+    bf16 tensor (bytes read / time), the limit a decode step streaming its weights can reach."""
+    if not ctx.cuda:
+        return skipped("no CUDA: an emulated GPU has no device memory of its own")
+    x = torch.ones(2 << 30, dtype=torch.bfloat16, device="cuda")
+    best = min(timed(lambda: x.sum(), ctx, repeats=5, warmup=2))
+    del x
+    return {"gbps": (4 << 30) / best / 1e9, "bytes": 4 << 30, "best_s": best}
+
+
 def section_graphs(ctx: Ctx) -> dict:
-    """The decode step with each layer's dense part as a CUDA graph (fiddler.decode_graph) against the eager
-    GPU side on the same engine and weights: the first steps' logits and greedy tokens, decode tok/s of each
-    (median of 3), the launches a step makes (aten ops; on CUDA the kernels and graph launches the profiler
-    saw), and a decode step under torch.cuda.set_sync_debug_mode("error"). On an emulated GPU (dry run) the
-    graphs' static ops run eagerly: the numbers check the section, not the graphs."""
+    """All-resident decode at the shape's dims (Mixtral-8x7B's on the device: every expert of its 4 layers
+    on the GPU) with each layer's dense part as a CUDA graph (fiddler.decode_graph), against the eager GPU
+    side on the same engine and weights: the first steps' logits and greedy tokens, decode tok/s of each
+    (median of 3) and as a fraction of the HBM roofline (bytes a decode step reads, MoEConfig's
+    decode_bytes_per_token, at the measured read rate), the launches a step makes (aten ops; on CUDA the
+    kernels and graph launches the profiler saw), and a decode step under torch.cuda.set_sync_debug_mode
+    ("error"). On an emulated GPU (dry run) the graphs' static ops run eagerly: the numbers check the
+    section, not the graphs."""
+    from fiddler import Engine
+    from fiddler.config import MoEConfig
+    from fiddler.executors import FiddlerPolicy, GpuSide
     from fiddler.launches import count_launches
+    from fiddler.placement import reservation
     from fiddler.step import Segment
 
     shape = ctx.shape
-    engine, _budget, _resident = load_fiddler(ctx, make_model(ctx), decode_graphs=True)
+    path = make_model(ctx)
+    cfg = MoEConfig.from_pretrained(path)
+    max_seq_len = 32 + shape.decode + 64
+    probe = GpuSide.cuda(1 << 30) if ctx.cuda else GpuSide.emulated(1 << 30)
+    budget = sum(reservation(cfg, torch.bfloat16, max_seq_len, 1, overhead=probe.overhead_bytes()).values()) + \
+        cfg.num_moe_layers * cfg.expert_slots * int(cfg.expert_bytes(torch.bfloat16))
+    gpu = GpuSide.cuda(budget) if ctx.cuda else GpuSide.emulated(budget)
+    engine = Engine.from_pretrained(path, gpu=gpu, dtype=torch.bfloat16, max_seq_len=max_seq_len, max_batch=1,
+                                    executor=FiddlerPolicy(placement="all"), decode_graphs=True)
     m, graphs = engine.model, engine.model.decode_graphs
     ids = prompt_ids(32, seed=3)
     n = ids.shape[-1]
@@ -300,6 +326,16 @@ def section_graphs(ctx: Ctx) -> dict:
         eager_tok_s = tok_s(shape.decode)
     finally:
         m.decode_graphs = graphs
+    hbm = hbm_read_gbps(ctx)
+    nbytes = sum(cfg.decode_bytes_per_token(kv, torch.bfloat16) for kv in range(n + 1, n + shape.decode)) / \
+        (shape.decode - 1)
+    out["roofline"] = {"bytes_per_token": nbytes, "hbm_read": hbm, "resident_experts":
+                       engine.info()["executor_info"]["placement"].get("num_resident"),
+                       "experts_total": cfg.num_moe_layers * cfg.expert_slots}
+    if "gbps" in hbm:
+        bound = hbm["gbps"] * 1e9 / nbytes
+        out["roofline"] |= {"bound_tok_s": bound, "graph_fraction": with_g_tok_s / bound,
+                            "eager_fraction": eager_tok_s / bound}
     diffs = [float((a - b).abs().max()) for a, b in zip(with_g, eager)]
     scale = max(float(b.abs().max()) for b in eager)
     out["eager"] = {"decode_tok_s": eager_tok_s}

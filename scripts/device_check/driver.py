@@ -44,7 +44,7 @@ SECTIONS = [
     ("offload", section_offload, 110, ("model", "budget_bytes", "resident_experts", "prefill", "decode", "routing",
                                        "cuda_memory", "overlap_decode", "overlap_prefill", "makespan",
                                        "sync_census", "launches")),
-    ("graphs", section_graphs, 50, ("captured_batch_sizes", "replays", "graph", "eager", "compare")),
+    ("graphs", section_graphs, 70, ("captured_batch_sizes", "replays", "graph", "eager", "compare", "roofline")),
     ("hf_offload", section_hf_offload, 60, ("placement", "prefill", "decode", "max_memory_reserved")),
     ("threads", section_threads, 75, ("cores", "rows")),
     ("llama_gpu", section_llama_gpu, 10, ()),

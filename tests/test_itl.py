@@ -97,6 +97,19 @@ def test_the_table_shows_itl_beside_the_servers():
     assert list(shown["ITL N"]) == ["30"] and list(shown["server ITL p50 ms"]) == ["25.0"]
 
 
+def test_aiperf_is_found_in_its_own_environment(tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    monkeypatch.setenv("FIDDLER_AIPERF_VENV", str(venv))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert aiperf.command() is None  # neither there nor on PATH: the level says ITL was skipped
+    exe = venv / "bin" / "aiperf"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (venv / "lib" / "python3.11" / "site-packages" / "aiperf-0.13.0.dist-info").mkdir(parents=True)
+    assert aiperf.command() == [str(exe)] and aiperf.version(aiperf.command()) == "0.13.0"
+
+
 def test_serving_itl_end_to_end_with_aiperf(tmp_path):
     """Real HTTP on 127.0.0.1: Fiddler's server on the tiny model, guidellm then aiperf at 2 streams."""
     pytest.importorskip("fastapi")

@@ -135,4 +135,5 @@ def test_serving_itl_end_to_end_with_aiperf(tmp_path):
     # the server counted the gaps between the tokens of the same 8 requests, nothing of guidellm's
     assert m["itl_server_n"] == 8 * 7
     assert m["itl_server_p50_s"] <= m["itl_server_p90_s"] <= m["itl_server_p99_s"]
+    assert facts["server_during_guidellm"]["itl_server_n"] == 8 * 7  # and over guidellm's 8, apart
     assert "ITL p50 ms" in res.stdout

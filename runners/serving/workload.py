@@ -174,6 +174,9 @@ class _Levels:
         else:
             n, max_s = point["concurrency"] * w.requests_per_stream, None
             profile = f"concurrent, {point['concurrency']} streams, {n} requests"
+        # the server's ITL histogram over guidellm's run too: whether aiperf's run (whose ITL the record gives) saw
+        # the same server speed, or a slower one for the CPU aiperf itself takes
+        before = self.server.metrics_text() if w.itl and not rate else None
         with tempfile.TemporaryDirectory() as tmp:
             report, cpu_s = run_guidellm(self.target, self.job.model_path, point, n, Path(tmp) / "guidellm.json",
                                          timeout_s=self.timeout_s if not max_s else max(self.timeout_s, max_s + 300),
@@ -184,8 +187,10 @@ class _Levels:
         facts = {"load_generator": f"guidellm {report.get('metadata', {}).get('guidellm_version') or ''}".strip(),
                  "profile": profile}
         if w.itl and not rate:
+            during_guidellm = itl.server_itl(before, self.server.metrics_text())
             itl_metrics, facts["itl"] = self.itl(point, n)
             metrics.update(itl_metrics)
+            facts["itl"]["server_during_guidellm"] = during_guidellm
         return metrics, facts
 
     def itl(self, point: dict, n: int) -> tuple[dict, dict]:

@@ -126,6 +126,10 @@ class WorkloadConfig:
     rate_max_s: float = 600.0
     # tokens of a system prompt every request starts with (then input_len tokens of its own); 0: none
     shared_prefix_len: int = 0
+    # per-token latency at each concurrency level: the same load again from aiperf, which keeps each token's
+    # time (guidellm does not), and the server's own ITL histogram over it (runners/serving/itl.py); where aiperf
+    # is not installed (scripts/install.sh --aiperf) the record says so
+    itl: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency:

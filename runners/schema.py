@@ -128,7 +128,7 @@ class WorkloadConfig:
     shared_prefix_len: int = 0
     # per-token latency at each concurrency level: the same load again from aiperf, which keeps each token's
     # time (guidellm does not), and the server's own ITL histogram over it (runners/serving/itl.py); where aiperf
-    # is not installed (scripts/install.sh --aiperf) the record says so
+    # is not installed (scripts/install.sh sets it up; --no-aiperf skips it) the record says so
     itl: bool = True
 
     def __post_init__(self) -> None:

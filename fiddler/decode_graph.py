@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .model import fused_rms_norm, linear_add, swap_halves
+from .model import fused_rms_norm, linear_add, rope_half_
 from .step import Segment
 
 
@@ -63,6 +63,7 @@ class DecodeGraphs:
         S = model.max_seq_len
         self._keys = torch.arange(S, device=self.device)
         self._heads = torch.arange(cfg.num_kv_heads, device=self.device)
+        self._rows = torch.arange(model.cache.kv.shape[2], device=self.device)  # the cache's batch rows
         self._graphs: dict[int, list] = {}  # batch size -> per layer (graph, static input, outputs)
         self._pool = None
         self.replays = 0
@@ -90,10 +91,10 @@ class DecodeGraphs:
         cos, _ = m._rope(x.device)
         rows_cos = cos.index_select(0, pos)[:, None, None, :]
         rows_sin = m._signed_sin(x.device).index_select(0, pos)[:, None, None, :]
-        torch.addcmul(qk * rows_cos, swap_halves(qk), rows_sin, out=qk)  # as the eager GPU side's rope
+        rope_half_(qk, rows_cos, rows_sin)  # as the eager GPU side's rope
         kv = qkv[:, 0, nh:].view(B, 2, nkv, d).transpose(0, 1)  # [2, B, nkv, d]
         j = m.cache._where[i][2]
-        m.cache.kv[:, j, self._rows(B)[:, None], self._heads[None, :], pos[:, None]] = kv
+        m.cache.kv[:, j, self._rows[:B, None], self._heads[None, :], pos[:, None]] = kv
         keys, values = m.cache.k[j, :B], m.cache.v[j, :B]  # [B, nkv, S, d]: every position, masked below
         visible = self._keys[None, :] <= pos[:, None]
         if cfg.sliding_window is not None:
@@ -104,9 +105,6 @@ class DecodeGraphs:
         h = fused_rms_norm(x, layer.post_norm, eps)
         idx, w = m._route(layer, h, buffered=False)
         return x, h, idx, w
-
-    def _rows(self, B: int) -> torch.Tensor:
-        return self._keys[:B] if B <= self._keys.shape[0] else torch.arange(B, device=self.device)
 
     # ------------------------------------------------------------------ the step
 

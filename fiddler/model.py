@@ -186,6 +186,12 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> t
     return x * cos + swap_halves(x) * sin_signed
 
 
+def rope_half_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """rope_half written back into x (the GPU side's fewest launches: mul, cat, addcmul; addcmul may fuse its
+    product and sum, a rounding fewer than rope_half); x may be a view into the projection's output."""
+    return torch.addcmul(x * cos, swap_halves(x), sin_signed, out=x)
+
+
 def apply_rope(cfg: MoEConfig, q: torch.Tensor, k: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, nh, T, d], k [B, nk, T, d]; cos/sin the tables' rows for these positions."""
     if cfg.rope_style == "half":
@@ -667,11 +673,9 @@ class MoETransformer:
         cos, sin = self._rope(qkv.device)
         if self.layers[i].on_gpu and cfg.rope_style == "half" and self.cache.joint(i):
             # The GPU side's fewest launches: rope of the q and k heads written back into the projection's
-            # output (mul, cat, addcmul: addcmul may fuse its product and sum, a rounding fewer than
-            # apply_rope), then k and v, now side by side there, into the cache in one copy.
-            qk = qkv[:, :, : nh + nkv].transpose(1, 2)
-            torch.addcmul(qk * cos[pos : pos + T], swap_halves(qk), self._signed_sin(qkv.device)[pos : pos + T],
-                          out=qk)
+            # output, then k and v, now side by side there, into the cache in one copy.
+            rope_half_(qkv[:, :, : nh + nkv].transpose(1, 2), cos[pos : pos + T],
+                       self._signed_sin(qkv.device)[pos : pos + T])
             kv = qkv[:, :, nh:].view(B, T, 2, nkv, d).permute(2, 0, 3, 1, 4)
             keys, values = self.cache.append_kv(i, pos, kv, row)
             return self._sdpa(q, keys, values, B, T, pos, nkv, True)

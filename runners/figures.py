@@ -37,6 +37,7 @@ MODEL_NAMES = {
     "mixtral_8x7b": "Mixtral-8x7B", "qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B",
     "deepseek_v3": "DeepSeek-V3", "deepseek_v2_lite": "DeepSeek-V2-Lite", "olmoe_1b_7b": "OLMoE-1B-7B",
     "small_mixtral": "small Mixtral (generated)", "tiny_mixtral": "tiny Mixtral (generated)",
+    "small_qwen3_moe": "small Qwen3-MoE, 30B-A3B-shaped (generated)",
 }
 
 

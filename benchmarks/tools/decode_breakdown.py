@@ -5,6 +5,7 @@ token choice) and inside the C library's calls, measured by wrapping the very ca
 (no re-implementation), over whole generate() runs.
 
     python benchmarks/tools/decode_breakdown.py [--model tiny_mixtral] [--quant q4_0] [--threads 2]
+    PYTHONPATH=<another tree> python benchmarks/tools/decode_breakdown.py   # that tree's engine (before/after)
 
 Printed per token: each part's wall time as the step sees it (its Python wrapper, argument checks and the
 C call), the time inside the C calls it makes, and the step's remainder (the decode loop, the residual
@@ -84,7 +85,7 @@ def instrumented(engine: Engine, clock: Clock):
                 patch(lin.packed, "forward", name)
             else:
                 patch(layer, attr, name)
-    if m._block is not None and m._block[1] is not None:  # bound by the warm-up's decode steps
+    if getattr(m, "_block", None) is not None and m._block[1] is not None:  # bound by the warm-up's decode steps
         m._block = (m._block[0], clock.wrap("decode block (one call a layer)", m._block[1]))
         undo.append((m, "_block", (m._block[0], m._block[1]._fn)))
     if m._kernel_norm is not None:

@@ -52,6 +52,14 @@ from .readback import Readback
 from .routing import ExpertGroups, Scratch, SlotOutputs, row_counts, weighted_slot_sum
 
 
+# A decode row whose experts hold fewer bytes than this runs on the calling thread alone: waking the pool
+# (two regions a layer) and its workers' spinning between layers cost more than the split saves. tiny_mixtral's
+# two experts (480 KiB): 14.7 us on one thread against 27.8 us on two, and 16.5 against 29.4 at a lighter load
+# (2-vCPU AMD EPYC family 25 model 17, shared; results/measured/2026-12-06-amd-epyc-issue54-decode-overhead).
+# Results do not depend on the thread count (each output element is one thread's).
+DECODE_ROW_SPLIT_BYTES = 1 << 20
+
+
 def empty_expert(config, dtype, device) -> ExpertWeights:
     """An uninitialised expert on the GPU side, w1 and w3 stacked (one GEMM: ExpertWeights.stacked)."""
     F_, H = config.intermediate_size, config.hidden_size
@@ -710,13 +718,14 @@ class FiddlerExecutor(ExpertExecutor):
         between experts), with the same roundings as the general path. x and topk_w are in host memory."""
         packed = self.packed[layer]
         experts = [packed[e] for e in ids]
+        threads = self.threads.all if len(ids) * self.expert_bytes >= DECODE_ROW_SPLIT_BYTES else 1
         if residual is not None and self.quant is None and self.device.type == "cpu" and residual.is_contiguous():
             # with the residual add in the same call: the bits of moe_ffn's result + residual
-            out = self.kernel.moe_ffn_residual(experts, topk_w[0].contiguous(), x, residual, threads=self.threads.all)
+            out = self.kernel.moe_ffn_residual(experts, topk_w[0].contiguous(), x, residual, threads=threads)
             residual = None
         else:
             moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
-            out = moe_ffn(experts, topk_w[0].contiguous(), x, threads=self.threads.all)
+            out = moe_ffn(experts, topk_w[0].contiguous(), x, threads=threads)
         if self.device.type != "cpu":
             out = out.to(self.device, non_blocking=True)
         wall = time.perf_counter() - t_start

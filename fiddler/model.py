@@ -28,7 +28,7 @@ from .executors.contract import ExpertExecutor
 from .executors.ffn import torch_expert
 from .kernel_loader import KERNEL_EVERY_COUNT, decode_kernels_error, load_decode_kernels, load_kernels
 from .step import Segment
-from .threads import torch_threads
+from .threads import small_call_threads, torch_threads
 from .weights import ExpertWeights, ModelWeights
 
 
@@ -836,8 +836,12 @@ class MoETransformer:
             x = self._layer_ops(x, B, pos, rows, qk_ops, f32)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
         # Note: decode logits live in a reused buffer, valid until the next forward call.
-        return self.lm_head(xn, out_dtype=torch.float32,
-                            out=None if all_logits else self._buf("logits", (B, cfg.vocab_size), torch.float32))
+        head = self.lm_head
+        out = None if all_logits else self._buf("logits", (B, cfg.vocab_size), torch.float32)
+        if not head.uses_torch(B):  # a small head on the calling thread (small_call_threads)
+            return head.packed.forward(xn, out=out, out_dtype=torch.float32,
+                                       threads=small_call_threads(head.packed.nbytes, head.threads))
+        return head(xn, out_dtype=torch.float32, out=out)
 
     def _layer_ops(self, x: torch.Tensor, B: int, pos, rows, qk_ops: bool, f32: bool) -> torch.Tensor:
         """The fused decode step's layers as separate calls (each kernel alone, torch between them): where a

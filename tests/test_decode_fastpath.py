@@ -384,7 +384,7 @@ def test_moe_ffn_residual_is_moe_ffn_plus_the_residual_bit_for_bit(tokens):
     residual = (torch.randn(tokens, H, generator=g) * 4).to(BF16)
     got = k.moe_ffn_residual(experts, w, x, residual)
     assert torch.equal(bits(got), bits(residual + k.moe_ffn(experts, w, x)))
-    # the executor runs a small decode row on one thread (DECODE_ROW_SPLIT_BYTES): the same bits
+    # the executor runs a small decode row on one thread (fiddler.threads.small_call_threads): the same bits
     assert torch.equal(bits(got), bits(k.moe_ffn_residual(experts, w, x, residual, threads=1)))
     assert torch.equal(bits(got), bits(k.moe_ffn_residual(experts, w, x, residual, threads=2)))
     with pytest.raises(ValueError, match="out must"):

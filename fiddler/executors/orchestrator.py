@@ -44,20 +44,13 @@ from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
 from ..streaming import Pipeline, lookahead, pipeline, staged_plan
+from ..threads import small_call_threads
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase, add_residual
 from .copy_in import CopyIn
 from .ffn import torch_expert, torch_experts_row
 from .readback import Readback
 from .routing import ExpertGroups, Scratch, SlotOutputs, row_counts, weighted_slot_sum
-
-
-# A decode row whose experts hold fewer bytes than this runs on the calling thread alone: waking the pool
-# (two regions a layer) and its workers' spinning between layers cost more than the split saves. tiny_mixtral's
-# two experts (480 KiB): 14.7 us on one thread against 27.8 us on two, and 16.5 against 29.4 at a lighter load
-# (2-vCPU AMD EPYC family 25 model 17, shared; results/measured/2026-12-06-amd-epyc-issue54-decode-overhead).
-# Results do not depend on the thread count (each output element is one thread's).
-DECODE_ROW_SPLIT_BYTES = 1 << 20
 
 
 def empty_expert(config, dtype, device) -> ExpertWeights:
@@ -718,7 +711,7 @@ class FiddlerExecutor(ExpertExecutor):
         between experts), with the same roundings as the general path. x and topk_w are in host memory."""
         packed = self.packed[layer]
         experts = [packed[e] for e in ids]
-        threads = self.threads.all if len(ids) * self.expert_bytes >= DECODE_ROW_SPLIT_BYTES else 1
+        threads = small_call_threads(len(ids) * self.expert_bytes, self.threads.all)
         if residual is not None and self.quant is None and self.device.type == "cpu" and residual.is_contiguous():
             # with the residual add in the same call: the bits of moe_ffn's result + residual
             out = self.kernel.moe_ffn_residual(experts, topk_w[0].contiguous(), x, residual, threads=threads)

@@ -15,6 +15,7 @@ executor as expert slots after the routed ones (config.expert_slots), routed for
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from .executors.contract import ExpertExecutor
 from .executors.ffn import torch_expert
 from .kernel_loader import KERNEL_EVERY_COUNT, decode_kernels_error, load_decode_kernels, load_kernels
 from .step import Segment
-from .threads import torch_threads
+from .threads import small_call_threads, torch_threads
 from .weights import ExpertWeights, ModelWeights
 
 
@@ -47,6 +48,10 @@ class Linear:
             use_kernel = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.packed = k.PackedLinear(weight, bias) if (use_kernel and k is not None) else None
         self.threads: int | None = None
+
+    def packed_threads(self) -> int:
+        """The thread count the packed kernel's call takes (0: the library's default)."""
+        return self.threads or 0
 
     def uses_torch(self, tokens: int) -> bool:
         return self.packed is None or tokens > self.kernel_max_tokens
@@ -530,6 +535,9 @@ class MoETransformer:
         self._kernel_norm = None  # fiddler.kernels.decode.rms_norm where the decode kernels are bound
         self._decode_ops, why = self._make_decode_ops(use_kernel)
         self._decode_ops_error = why
+        # the fused step's layers in one call each where they qualify (_decode_block); False: separate calls
+        self.decode_blocks = True
+        self._block, self._block_max_tokens = None, 0
         if decode_fastpath and self._decode_ops is None:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
         self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
@@ -604,6 +612,7 @@ class MoETransformer:
         return [self.lm_head] + [m for layer in self.layers for m in layer.linears()]
 
     def set_kernel_max_tokens(self, n: int):
+        self._block = None  # rebound with the new crossover (_decode_block)
         for lin in self.linears():
             lin.kernel_max_tokens = n
             if lin.packed is not None and n >= Linear.kernel_max_tokens:
@@ -745,14 +754,17 @@ class MoETransformer:
 
     # ------------------------------------------------------------------ MLP / MoE
 
-    def _route(self, layer: DecoderLayer, h: torch.Tensor, buffered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, layer: DecoderLayer, h: torch.Tensor, buffered: bool = True, logits: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids and weights [T, active_slots] for the executor: the router's top-k, then every shared
         slot (weight sigmoid(x . w_gate) for Qwen2-MoE's gated shared expert, else 1). buffered: decode
-        logits into a reused buffer (not inside a CUDA graph, whose outputs are its own)."""
+        logits into a reused buffer (not inside a CUDA graph, whose outputs are its own). `logits`: the
+        router's output for h where already computed (the fused decode block's)."""
         cfg = self.cfg
         main = h.device == self.device and buffered
-        logits = layer.router_logits(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)
-                                     if main and layer.router is not None else None)
+        if logits is None:
+            logits = layer.router_logits(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)
+                                         if main and layer.router is not None else None)
         idx, w = route(logits, cfg, self.dtype, layer.score_bias, topk_first=layer.on_gpu)
         S = cfg.shared_slots
         if S:
@@ -809,13 +821,41 @@ class MoETransformer:
         else:
             pos = torch.tensor([g[2] for g in groups for _ in range(g[1])], dtype=torch.int64)
             rows = torch.tensor([g[0] + b for g in groups for b in range(g[1])], dtype=torch.int64)
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_ops = cfg.qk_norm is not None or cfg.clip_qkv is not None
+        x = F.embedding(tokens, self.embed)  # [B, H]
+        f32 = self.fp32_quant_acts
+        block = self._decode_block(B)
+        if block is not None:  # every layer's seven small calls in one (fiddler.kernels.decode.DecodeBlock)
+            pos_b = (ctypes.c_int64 * B)(*([pos] * B if rows is None else pos.tolist()))
+            rows_b = (ctypes.c_int64 * B)(*(range(B) if rows is None else rows.tolist()))
+            threads = self.layers[0].qkv_proj.packed_threads()
+            for i, layer in enumerate(self.layers):
+                x, h, logits = block(i, x.contiguous(), pos_b, rows_b, threads)
+                if layer.mlp is not None:  # a dense layer (as _moe)
+                    x = x + layer.mlp(h)
+                    continue
+                idx, w = self._route(layer, h, logits=logits)
+                x = self._experts(i, x, h, idx, w, B > 1)
+        else:
+            x = self._layer_ops(x, B, pos, rows, qk_ops, f32)
+        xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
+        # Note: decode logits live in a reused buffer, valid until the next forward call.
+        head = self.lm_head
+        out = None if all_logits else self._buf("logits", (B, cfg.vocab_size), torch.float32)
+        if not head.uses_torch(B):  # a small head on the calling thread (small_call_threads)
+            return head.packed.forward(xn, out=out, out_dtype=torch.float32,
+                                       threads=small_call_threads(head.packed.nbytes, head.threads))
+        return head(xn, out_dtype=torch.float32, out=out)
+
+    def _layer_ops(self, x: torch.Tensor, B: int, pos, rows, qk_ops: bool, f32: bool) -> torch.Tensor:
+        """The fused decode step's layers as separate calls (each kernel alone, torch between them): where a
+        layer is not what the DecodeBlock computes (see _decode_block)."""
+        cfg, eps, dt, H = self.cfg, self.cfg.rms_norm_eps, self.dtype, self.cfg.hidden_size
+        norm, attend = self._kernel_norm, self._decode_ops
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         buf_n1, buf_n2 = self._buf("norm1", (B, H), dt), self._buf("norm2", (B, H), dt)
         buf_qkv = self._buf("qkv", (B, (nh + 2 * nkv) * d), dt)
         buf_att, buf_o = self._buf("attn", (B, nh * d), dt), self._buf("o", (B, H), dt)
-        x = F.embedding(tokens, self.embed)  # [B, H]
-        f32 = self.fp32_quant_acts
 
         def fused_attention(i: int, h: torch.Tensor) -> torch.Tensor:
             layer = self.layers[i]
@@ -828,11 +868,39 @@ class MoETransformer:
         def fused_norm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
             return rms_norm_f32(x, w, eps) if f32 else norm(x, w, eps, out=buf)
 
-        x = self._layers(x, fused_attention, fused_norm, B > 1, (buf_n1, buf_n2))
-        xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
-        # Note: decode logits live in a reused buffer, valid until the next forward call.
-        return self.lm_head(xn, out_dtype=torch.float32,
-                            out=None if all_logits else self._buf("logits", (B, cfg.vocab_size), torch.float32))
+        return self._layers(x, fused_attention, fused_norm, B > 1, (buf_n1, buf_n2))
+
+    def _decode_block(self, B: int):
+        """The one rule for the fused decode step's one-call layers: fiddler.kernels.decode.DecodeBlock bound to
+        the layers as they are now, or None where any layer is not the plain bf16 GQA MoE layer it computes
+        (q/k norms or clip, quantized projections and their fp32 activations, an fp32 router, a dense MLP,
+        the GPU side, more rows than the projections' kernel serves). Bound on first use, and again when a
+        projection was replaced (fiddler.quant installs its own after the model is built) or the
+        projections' crossover changed (set_kernel_max_tokens)."""
+        if not self.decode_blocks or self.fp32_quant_acts:
+            return None
+        key = [(l.qkv_proj, l.o_proj, l.router) for l in self.layers]
+        if self._block is None or self._block[0] != key:
+            self._block = (key, self._bind_block(key))
+        block = self._block[1]
+        return block if block is not None and B <= self._block_max_tokens else None
+
+    def _bind_block(self, key):
+        cfg = self.cfg
+        if cfg.qk_norm is not None or cfg.clip_qkv is not None or self._decode_ops is None:
+            return None
+        lins = [lin for trio in key for lin in trio if lin is not None]
+        if any(not isinstance(lin, Linear) or lin.packed is None for lin in lins) or \
+                any(l.on_gpu or l.mla is not None or l.router_fp32 is not None or (l.router is None) != (l.mlp is not None)
+                    for l in self.layers) or len({lin.threads for lin in lins}) != 1:
+            return None
+        self._block_max_tokens = min(lin.kernel_max_tokens for lin in lins)
+        kd = load_decode_kernels()
+        try:
+            return kd.DecodeBlock(self._decode_ops, [(l.input_norm, l.post_norm, q.packed, o.packed, r and r.packed)
+                                                     for l, (q, o, r) in zip(self.layers, key)], cfg.rms_norm_eps)
+        except (TypeError, ValueError):
+            return None
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], *, all_logits: bool = False

@@ -314,3 +314,78 @@ def test_decode_fastpath_argument():
     assert not build(torch.float32).decode_fastpath
     with pytest.raises(ValueError, match="decode_fastpath=True"):
         build(torch.float32, decode_fastpath=True)
+
+
+# ------------------------------------------------------------------ one call per layer (DecodeBlock)
+def stepped_logits(e: Engine, blocks: bool, ids: torch.Tensor, feed: list[int], B: int = 1) -> torch.Tensor:
+    """Teacher-forced fused-path logits, flattened, with the one-call layers on or off; B rows: row b's prompt
+    is b tokens shorter, so with B > 1 the rows decode at their own positions (continuous batching)."""
+    from fiddler.step import Segment
+
+    m = e.model
+    m.decode_blocks = blocks
+    try:
+        S = ids.shape[0]
+        out = []
+        for b in range(B):  # rows b prefill at different lengths: decode rows at their own positions
+            out.append(m.forward(ids[: S - b], rows(1, b, S - b)).clone())
+        for s, t in enumerate(feed):
+            segs = [Segment(b, S - b + s, 1) for b in range(B)]
+            out.append(m.forward(torch.tensor([t] * B), segs).clone())
+    finally:
+        m.decode_blocks = True
+    return torch.cat([o.reshape(-1) for o in out])
+
+
+@pytest.mark.parametrize("arch", ["e8k2", "e16k4_odd", "qwen2_moe"])
+@pytest.mark.parametrize("executor", ["reference", "fiddler"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_block_is_bit_identical_to_the_separate_calls(arch, executor, B):
+    """The one-call layer runs the same C functions as the separate calls on the same buffers: the same bits
+    on every kernel path (one row, and rows at different positions as continuous batching decodes them)."""
+    e = engine(arch, executor)
+    vocab = ARCHS[arch]["vocab_size"]
+    ids, feed = prompt(12, vocab, seed=5), prompt(8, vocab, seed=8).tolist()
+    got = stepped_logits(e, True, ids, feed, B)
+    assert e.model._block is not None and e.model._block[1] is not None, "the block must serve this model"
+    assert torch.equal(got, stepped_logits(e, False, ids, feed, B))
+
+
+def test_decode_block_beams_and_greedy_match_the_separate_calls():
+    e = engine("e16k4_odd", "fiddler")
+    ids = prompt(10, ARCHS["e16k4_odd"]["vocab_size"], seed=4)
+    runs = {}
+    for blocks in (False, True):
+        e.model.decode_blocks = blocks
+        runs[blocks] = (e.generate(ids, max_new_tokens=8, beam_width=3), e.generate(ids, max_new_tokens=8))
+    e.model.decode_blocks = True
+    (bf, gf), (bt, gt) = runs[False], runs[True]
+    assert bt.tokens.tolist() == bf.tokens.tolist() and bt.sequences_scores == bf.sequences_scores
+    assert gt.tokens.tolist() == gf.tokens.tolist()
+
+
+def test_decode_block_only_where_it_computes_the_layer():
+    """q/k norms (Qwen3-MoE) are not what the block computes: those layers keep the separate calls."""
+    e = engine("qwen3_moe", "reference")
+    e.generate(prompt(6, ARCHS["qwen3_moe"]["vocab_size"], seed=1), max_new_tokens=3)
+    assert e.model.last_path == "fused_decode" and e.model._block[1] is None
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_ffn_residual_is_moe_ffn_plus_the_residual_bit_for_bit(tokens):
+    import fiddler.kernels as k
+
+    g = torch.Generator().manual_seed(tokens)
+    H, F_ = 64, 96
+    experts = [k.PackedExpert(*(torch.randn(*s, generator=g).to(BF16) * 0.2 for s in ((F_, H), (F_, H), (H, F_))))
+               for _ in range(3)]
+    w = torch.tensor([0.5, 0.3, 0.2]).to(BF16)
+    x = torch.randn(tokens, H, generator=g).to(BF16)
+    residual = (torch.randn(tokens, H, generator=g) * 4).to(BF16)
+    got = k.moe_ffn_residual(experts, w, x, residual)
+    assert torch.equal(bits(got), bits(residual + k.moe_ffn(experts, w, x)))
+    # the executor runs a small decode row on one thread (fiddler.threads.small_call_threads): the same bits
+    assert torch.equal(bits(got), bits(k.moe_ffn_residual(experts, w, x, residual, threads=1)))
+    assert torch.equal(bits(got), bits(k.moe_ffn_residual(experts, w, x, residual, threads=2)))
+    with pytest.raises(ValueError, match="out must"):
+        k.moe_ffn_residual(experts, w, x, residual[:, :-1].contiguous())

@@ -44,12 +44,13 @@ from ..planner import COPY, CPU, GPU, KINDS, LayerPlan, get_planner
 from ..popularity import Popularity
 from ..residency import Chunk, ExpertCache, Promote, make_policy
 from ..streaming import Pipeline, lookahead, pipeline, staged_plan
+from ..threads import small_call_threads
 from ..weights import ExpertWeights
 from .contract import BuildContext, ExpertExecutor, StatsBase, add_residual
 from .copy_in import CopyIn
 from .ffn import torch_expert, torch_experts_row
 from .readback import Readback
-from .routing import ExpertGroups, Scratch, SlotOutputs, weighted_slot_sum
+from .routing import ExpertGroups, Scratch, SlotOutputs, row_counts, weighted_slot_sum
 
 
 def empty_expert(config, dtype, device) -> ExpertWeights:
@@ -459,6 +460,10 @@ class FiddlerExecutor(ExpertExecutor):
         T, K = topk_idx.shape
         E = self.config.expert_slots
         self.begin_forward(layer, x, topk_idx)
+        if T == 1 and not self.gpu.has_gpu:  # the CPU alone: no readback, staging or copies to plan around
+            out = self._cpu_only_row(layer, x, topk_idx, topk_w, residual, t_start)
+            if out is not None:
+                return out
         # The call's one device-to-host wait (readback.Readback): the routing, and where this layer has experts
         # off the GPU, the CPU queue's rows and weights (all rows: which ones the CPU takes is decided after).
         # (a resident set that adapts can move a fully resident layer's slot elsewhere)
@@ -478,8 +483,8 @@ class FiddlerExecutor(ExpertExecutor):
                 and host.w.dtype == torch.bfloat16 and max(host.counts) == 1
                 and all(d is None or d == CPU for d in plan.decisions)):
             self.stats.copies_ahead_unused += len(staged)
-            return self._install(installs, add_residual(residual, self._decode_row_on_cpu(layer, host.x, host.row_ids,
-                                                                                     host.w, plan, t_start)))
+            return self._install(installs, self._decode_row_on_cpu(layer, host.x, host.row_ids, host.w, plan, t_start,
+                                                                   residual))
         # fp32 x (quantized experts, fp32_inputs): the CPU kernel takes it as is, the GPU side computes in dtype
         x_in, x = x, x.to(self.dtype)
         cpu_experts = plan.experts(CPU)
@@ -682,19 +687,43 @@ class FiddlerExecutor(ExpertExecutor):
                 y_e = torch_expert(dense, x if x.shape[0] == 1 else x.index_select(0, tok))
             combined.put_flat(flat, y_e, topk_w)
 
+    def _cpu_only_row(self, layer: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                      residual: torch.Tensor | None, t_start: float) -> torch.Tensor | None:
+        """forward's decode row without a GPU side, by the steps forward takes for it (readback's counts, the
+        plan, the fused kernel call) less those that do nothing there; None where forward's general path
+        serves it (an expert twice, no packed kernel)."""
+        if not (self.fused_decode and self.packed_host and x.is_contiguous() and topk_w.dtype == torch.bfloat16):
+            return None
+        ids = topk_idx[0].tolist()
+        counts = row_counts(ids, self.config.expert_slots, layer)
+        if max(counts) != 1:
+            return None
+        plan = self.planner(counts, self.cache.resident[layer], self.latency_model)
+        if any(d is not None and d != CPU for d in plan.decisions):
+            return None
+        return self._decode_row_on_cpu(layer, x, ids, topk_w, plan, t_start, residual)
+
     def _decode_row_on_cpu(self, layer: int, x: torch.Tensor, ids: list[int], topk_w: torch.Tensor,
-                           plan: LayerPlan, t_start: float) -> torch.Tensor:
+                           plan: LayerPlan, t_start: float, residual: torch.Tensor | None = None
+                           ) -> torch.Tensor:
         """One token whose plan puts every routed expert (distinct ids) on the CPU (always so without a GPU):
         all of them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
         between experts), with the same roundings as the general path. x and topk_w are in host memory."""
         packed = self.packed[layer]
-        moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
-        out = moe_ffn([packed[e] for e in ids], topk_w[0].contiguous(), x, threads=self.threads.all)
+        experts = [packed[e] for e in ids]
+        threads = small_call_threads(len(ids) * self.expert_bytes, self.threads.all)
+        if residual is not None and self.quant is None and self.device.type == "cpu" and residual.is_contiguous():
+            # with the residual add in the same call: the bits of moe_ffn's result + residual
+            out = self.kernel.moe_ffn_residual(experts, topk_w[0].contiguous(), x, residual, threads=threads)
+            residual = None
+        else:
+            moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
+            out = moe_ffn(experts, topk_w[0].contiguous(), x, threads=threads)
         if self.device.type != "cpu":
             out = out.to(self.device, non_blocking=True)
         wall = time.perf_counter() - t_start
         self.stats.add_plan(layer, plan, len(ids), wall, wall)
-        return out
+        return add_residual(residual, out)
 
     # ------------------------------------------------------------------ calibration
 

@@ -6,6 +6,9 @@
   [0, pos] (or the sliding window), output [B, num_heads * head_dim] as o_proj reads it.
 * `DecodeAttention`: the same bound to one model's KV cache and rope tables, validated once, for the
   hot path (a few microseconds of Python per call).
+* `DecodeBlock`: a whole decoder layer's attention half (norm, q/k/v projection, rope + attention, o
+  projection, residual add) and its MoE half's inputs (norm, router logits) in one call, bit-identical to
+  those ops called one by one.
 
 A decode step used to spend ~40 torch ops per layer on these (rms_norm 8, rope ~14, two index_put
 cache writes, SDPA, reshapes); each costs 5-140 us of dispatch on a small CPU, more than the math.
@@ -17,7 +20,7 @@ import torch
 
 from . import _lib
 
-__all__ = ["DecodeAttention", "is_available", "load_error", "rms_norm", "rope_attention_decode"]
+__all__ = ["DecodeAttention", "DecodeBlock", "is_available", "load_error", "rms_norm", "rope_attention_decode"]
 
 _BF16 = torch.bfloat16
 _ok = _lib.lib is not None
@@ -26,6 +29,7 @@ if _ok:
     _rmsnorm = _lib.lib.fk_rmsnorm_bf16
     _rope_attn = _lib.lib.fk_rope_attn_decode_bf16
     _rope_attn_rows = _lib.lib.fk_rope_attn_decode_rows_bf16
+    _block = _lib.lib.fk_decode_attn_block_bf16
 
 
 def is_available() -> bool:
@@ -201,3 +205,67 @@ def rope_attention_decode(qkv: torch.Tensor, pos: int, cos: torch.Tensor, sin: t
                       k_cache.data_ptr(), v_cache.data_ptr(), max_batch, max_seq, int(sliding_window or 0),
                       d**-0.5, out.data_ptr()))
     return out
+
+
+class DecodeBlock:
+    """fk_decode_attn_block_bf16 bound to one model: per layer i, with h = rms_norm(x, norm1),
+    x_out = x + o_proj(attention(qkv_proj(h))), h2 = rms_norm(x_out, norm2), logits = router(h2): the
+    decode step's seven calls of that layer in one, every output bit-identical to them (the same C
+    functions on the same buffers). `layers`: per layer (norm1, norm2, qkv, o, router), the norms bf16
+    [hidden] weights, the projections fiddler.kernels.PackedLinear (router without a bias; None for a dense
+    layer, whose logits are then None); validated here once, with the DecodeAttention that holds the cache
+    and rope tables."""
+
+    def __init__(self, attention: DecodeAttention, layers: list[tuple], eps: float):
+        _need()
+        if len(layers) != attention.layers:
+            raise ValueError(f"{len(layers)} layers for a cache of {attention.layers}")
+        a = attention
+        self.attention, self.eps = a, float(eps)
+        self.hidden = layers[0][3].out_features
+        routers = [r for *_, r in layers if r is not None]
+        self.experts = routers[0].out_features if routers else 1
+        H, W = self.hidden, a.width
+        self._layers = []
+        for i, (n1, n2, qkv, o, router) in enumerate(layers):
+            for name, w in (("norm1", n1), ("norm2", n2)):
+                _check_bf16(f"layer {i} {name}", w, 1)
+                if w.shape[0] != H:
+                    raise ValueError(f"layer {i} {name} must be [{H}], got {tuple(w.shape)}")
+            for name, lin, n, k in (("qkv", qkv, W, H), ("o", o, H, a.nh * a.d), ("router", router, self.experts, H)):
+                if lin is not None and (lin.out_features, lin.in_features) != (n, k):
+                    raise ValueError(f"layer {i} {name} must be [{n}, {k}], got [{lin.out_features}, {lin.in_features}]")
+            if router is not None and router.bias is not None:
+                raise ValueError("a router with a bias is not what the block computes")
+            bias = [lin.bias.data_ptr() if lin.bias is not None else None for lin in (qkv, o)]
+            # the buffers stay alive with the model's Linears and norms; only their addresses are kept
+            self._layers.append((n1.data_ptr(), n2.data_ptr(), qkv._w.data_ptr(), bias[0], o._w.data_ptr(), bias[1],
+                                 router._w.data_ptr() if router is not None else None,
+                                 self.experts if router is not None else 0))
+        self._bufs: dict[int, tuple] = {}
+
+    def _buffers(self, B: int) -> tuple:
+        """This block's own scratch and outputs for B rows (reused every call: valid until the next)."""
+        b = self._bufs.get(B)
+        if b is None:
+            a, H = self.attention, self.hidden
+            shapes = ((B, H), (B, a.width), (B, a.nh * a.d), (B, H), (B, H), (B, H), (B, self.experts))
+            t = [torch.empty(s, dtype=_BF16) for s in shapes]
+            b = self._bufs[B] = (t, [x.data_ptr() for x in t])
+        return b
+
+    def __call__(self, layer: int, x: torch.Tensor, pos, rows, threads: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, hidden] bf16 contiguous; pos, rows: ctypes int64 arrays [B] (positions; distinct cache rows,
+        as the model's segments are). Returns (x_out, h2, logits) in buffers the next call reuses."""
+        a, B = self.attention, x.shape[0]
+        if (x.dtype != _BF16 or x.dim() != 2 or x.shape[1] != self.hidden or not x.is_contiguous()
+                or x.device.type != "cpu" or not 1 <= B <= a.max_batch):
+            raise ValueError(f"x must be a contiguous CPU bf16 [1..{a.max_batch}, {self.hidden}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        (_, _, _, _, x_out, h2, logits), (h, qkv, att, o, px, ph2, pl) = self._buffers(B)
+        n1, n2, wqkv, bqkv, wo, bo, wr, experts = self._layers[layer]
+        _check(_block(x.data_ptr(), B, self.hidden, n1, n2, self.eps, wqkv, bqkv, wo, bo, wr, experts, a.nh,
+                      a.nkv, a.d, pos, rows, a._cos, a._sin, a._k[layer], a._v[layer], a.max_batch, a.max_seq,
+                      a.window, a.scale, h, qkv, att, o, px, ph2, pl, threads))
+        return x_out, h2, logits if experts else None

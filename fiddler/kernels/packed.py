@@ -199,3 +199,28 @@ def moe_ffn(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor,
     return out
 
 
+
+
+def moe_ffn_residual(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                     threads: int | None = None) -> torch.Tensor:
+    """residual + moe_ffn(experts, weights, x) in one call, bit-identical to the two (the add rounds as torch's
+    bf16 add does): a decode row's experts and the residual stream's add. residual: bf16 like x."""
+    if not experts:
+        raise ValueError("moe_ffn needs at least one expert")
+    hidden, ffn = experts[0].hidden, experts[0].ffn
+    if any(e.hidden != hidden or e.ffn != ffn for e in experts):
+        raise ValueError("moe_ffn: experts must share one shape")
+    tokens = _check_x(x, hidden, "expert")
+    _check_out(residual, tuple(x.shape), torch.bfloat16)
+    if weights.dtype != torch.bfloat16 or weights.dim() != 1 or weights.shape[0] != len(experts) \
+            or not weights.is_contiguous() or weights.device.type != "cpu":
+        raise ValueError(f"weights must be a contiguous CPU bf16 [{len(experts)}], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    if tokens:
+        n = len(experts)
+        p13 = (ctypes.c_void_p * n)(*(e._w13.data_ptr() for e in experts))
+        p2 = (ctypes.c_void_p * n)(*(e._w2.data_ptr() for e in experts))
+        _lib.check(_L().fk_moe_ffn_residual_bf16(p13, p2, weights.data_ptr(), n, hidden, ffn, x.data_ptr(),
+                                                 residual.data_ptr(), tokens, out.data_ptr(), _threads(threads)))
+    return out

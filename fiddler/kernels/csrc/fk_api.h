@@ -109,6 +109,10 @@ FK_API double fk_isa_peak(const char* kind, int threads, double ops, int repeats
 FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t n, float eps, uint16_t* out);
 FK_API int fk_rope_attn_decode_bf16(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d, int64_t pos, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, uint16_t* out);
 FK_API int fk_rope_attn_decode_rows_bf16(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos, const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, uint16_t* out);
+// one layer's attention half and the MoE half's inputs in one call (see fk_decode.cpp)
+FK_API int fk_decode_attn_block_bf16(const uint16_t* x, int64_t B, int64_t hidden, const uint16_t* norm1, const uint16_t* norm2, float eps, const void* qkv_w, const float* qkv_bias, const void* o_w, const float* o_bias, const void* router_w, int64_t n_experts, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos, const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, uint16_t* h, uint16_t* qkv, uint16_t* att, uint16_t* o, uint16_t* x_out, uint16_t* h2, uint16_t* logits, int threads);
+// residual + fk_moe_ffn(...) in one call (the executor's decode row and the model's residual add)
+FK_API int fk_moe_ffn_residual_bf16(const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts, int64_t hidden, int64_t ffn, const uint16_t* x, const uint16_t* residual, int64_t tokens, uint16_t* y, int threads);
 
 // ---------------------------------------------------------------- prefill attention (fk_attention.cpp)
 // needs the avx512_bf16 path; otherwise -1 and the caller uses torch

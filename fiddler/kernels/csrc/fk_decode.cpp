@@ -185,3 +185,44 @@ FK_API int fk_rope_attn_decode_rows_bf16(const uint16_t* qkv, int64_t B, int64_t
   return rope_attn_rows(qkv, B, nh, nkv, d, pos, rows, cos, sin, kcache, vcache, max_batch, max_seq, window,
                         scale, out);
 }
+
+// The attention half of one decoder layer's decode step for B rows (row b: position pos[b], cache row
+// rows[b]), and the MoE half's inputs, in one call instead of seven (fiddler.model's fused decode
+// layer): h = rms_norm(x, norm1); qkv = h @ Wqkv^T (+ bias); att = rope + cache write + attention;
+// o = att @ Wo^T (+ bias); x_out = bf16(x + o); h2 = rms_norm(x_out, norm2); logits = h2 @ Wrouter^T.
+// Each step is the very function its own entry point runs (fk_rmsnorm_bf16, fk_linear,
+// fk_rope_attn_decode_rows_bf16) on the same buffers, and the residual add rounds fp32(x + o) to bf16 as
+// torch's bf16 add does, so every output is bit-identical to those calls made one by one.
+// Packed weights as fk_linear takes them (qkv: [(nh + 2 nkv) d, hidden], o: [hidden, nh d], router:
+// [n_experts, hidden]; null with n_experts 0 for a dense layer: no logits); biases fp32 or null. Scratch h [B, hidden], qkv [B, (nh + 2 nkv) d], att and o;
+// outputs x_out [B, hidden] (not aliasing x), h2 [B, hidden], logits [B, n_experts] bf16.
+FK_API int fk_decode_attn_block_bf16(const uint16_t* x, int64_t B, int64_t hidden, const uint16_t* norm1, const uint16_t* norm2, float eps, const void* qkv_w, const float* qkv_bias, const void* o_w, const float* o_bias, const void* router_w, int64_t n_experts, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos, const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, uint16_t* h, uint16_t* qkv, uint16_t* att, uint16_t* o, uint16_t* x_out, uint16_t* h2, uint16_t* logits, int threads) {
+  if (!x || !x_out || !h2 || !h || !o || !att || !qkv || !qkv_w || !o_w || !norm1 || !norm2 ||
+      (n_experts > 0 && (!router_w || !logits)))
+    return fail("decode_attn_block: null pointer");
+  if (x_out == x) return fail("decode_attn_block: x_out must not alias x");
+  if (B < 1 || hidden < 1 || n_experts < 0) return fail("decode_attn_block: need B, hidden >= 1, n_experts >= 0");
+  const int64_t width = (nh + 2 * nkv) * d;
+  int rc = fk_rmsnorm_bf16(x, norm1, B, hidden, eps, h);
+  if (rc == 0) rc = fk::linear(qkv_w, width, hidden, h, B, qkv_bias, qkv, false, threads);
+  if (rc == 0)
+    rc = rope_attn_rows(qkv, B, nh, nkv, d, pos, rows, cos, sin, kcache, vcache, max_batch, max_seq, window, scale, att);
+  if (rc == 0) rc = fk::linear(o_w, hidden, nh * d, att, B, o_bias, o, false, threads);
+  if (rc != 0) return rc;
+  for (int64_t i = 0; i < B * hidden; ++i) x_out[i] = generic::st(generic::ld(x[i]) + generic::ld(o[i]));
+  rc = fk_rmsnorm_bf16(x_out, norm2, B, hidden, eps, h2);
+  if (rc == 0 && n_experts > 0) rc = fk::linear(router_w, n_experts, hidden, h2, B, nullptr, logits, false, threads);
+  return rc;
+}
+
+// y = bf16(residual + moe) with moe = fk_moe_ffn(...) of the same arguments: the executor's decode row and
+// the model's residual add in one call (torch's bf16 add: fp32 sum rounded once), bit-identical to the
+// two. y [tokens, hidden] may not alias x or residual.
+FK_API int fk_moe_ffn_residual_bf16(const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts, int64_t hidden, int64_t ffn, const uint16_t* x, const uint16_t* residual, int64_t tokens, uint16_t* y, int threads) {
+  if (!residual || !y) return fail("moe_ffn_residual: null pointer");
+  if (y == x || y == residual) return fail("moe_ffn_residual: y must not alias x or residual");
+  const int rc = fk::moe_ffn(p13, p2, w, n_experts, hidden, ffn, x, tokens, y, threads);
+  if (rc != 0) return rc;
+  for (int64_t i = 0; i < tokens * hidden; ++i) y[i] = generic::st(generic::ld(residual[i]) + generic::ld(y[i]));
+  return 0;
+}

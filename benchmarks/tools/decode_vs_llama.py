@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""The engine's decode step against llama.cpp's on one generated model, timed as the regression suite's
+engine_decode_vs_llama_cpp times it (benchmarks/test_system_ratios.py: each system through its harness
+adapter in its own process, a clock around adapter.generate, decode step = (end - first token) /
+(new tokens - 1)), with many more rounds: the best and the median per token of each side, and the ratio of
+the bests (the suite's reading) and of the medians. One JSON line last, for scripts/ab.py --key.
+
+    python benchmarks/tools/decode_vs_llama.py [--model tiny_mixtral] [--rounds 30]
+
+The engine and harness code are the ones PYTHONPATH finds first (scripts/ab.py sets it to each side's tree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny_mixtral")
+    ap.add_argument("--rounds", type=int, default=30)
+    a = ap.parse_args()
+    from benchmarks.system_worker import SystemWorker
+    from benchmarks.test_system_ratios import DECODE_PROMPT, DECODE_TOKENS, PREFILL, prompt
+    from runners.models import synthetic_model
+
+    cache = Path(os.environ.get("FIDDLER_CACHE", Path.home() / ".cache" / "fiddler"))
+    model = dict(name=a.model, path=str(synthetic_model(a.model)), dtype="bfloat16")
+    ctx = dict(threads=len(os.sched_getaffinity(0)), gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(cache),
+               max_seq_len=PREFILL + DECODE_TOKENS + 8, max_batch=1)
+    workers = {n: SystemWorker(n, model, ctx) for n in ("fiddler", "llama_cpp")}
+    try:
+        for n, w in workers.items():
+            if w.unavailable:
+                raise SystemExit(f"{n} unavailable: {w.unavailable}")
+        ids = prompt(DECODE_PROMPT)
+        times = {n: [] for n in workers}
+        for r in range(a.rounds + 1):
+            for n, w in (workers.items() if r % 2 else reversed(list(workers.items()))):
+                t = w.timed(ids, DECODE_TOKENS)[1]
+                if r:  # the first round warms
+                    times[n].append(t)
+    finally:
+        for w in workers.values():
+            w.close()
+    out = {}
+    for n, ts in times.items():
+        out[f"{n}_best_us"] = min(ts) * 1e6
+        out[f"{n}_median_us"] = statistics.median(ts) * 1e6
+    out["ratio_best"] = out["llama_cpp_best_us"] / out["fiddler_best_us"]
+    out["ratio_median"] = out["llama_cpp_median_us"] / out["fiddler_median_us"]
+    out["loadavg"] = os.getloadavg()[0]
+    for k, v in out.items():
+        print(f"{k:22s} {v:10.3f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

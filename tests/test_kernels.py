@@ -88,11 +88,13 @@ def test_expert_ffn_matches_reference(path, hidden, ffn):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_call(path):
-    """Many rows go through the GEMM-style blocking (super-blocks of 8 weight blocks, token chunks of 256
-    rows, K chunks of 512), one row (AMX: up to 96) through a single stream; both sum each output in the same order, so
-    each row's bits are the same alone or among 270 (two token chunks, two super-blocks, three K chunks)."""
+    """Many rows go through the GEMM-style blocking (super-blocks of 8 weight blocks, token chunks of 64-256
+    rows, K chunks of 256-2048; AVX512-BF16: two blocks a micro-kernel call), one row (AMX: up to 96) through a
+    single stream of one block at a time; both sum each output in the same order, so each row's bits are the
+    same alone or among 270 (several token chunks, two super-blocks, several K chunks: 3 of 2048 on
+    AVX512-BF16 with 1 MiB of L2)."""
     use_path(path)
-    hidden, ffn, tokens = (1100, 300, 270) if path != "generic" else (600, 300, 40)
+    hidden, ffn, tokens = {"generic": (600, 300, 40), "avx512_bf16": (4200, 300, 270)}.get(path, (1100, 300, 270))
     x, w1, w3, w2 = expert_case(hidden, ffn, tokens, seed=11)
     pe = fk.PackedExpert(w1, w3, w2)
     lin = fk.PackedLinear(w1)

@@ -95,6 +95,14 @@ struct IsaOps {
   // called on a thread when its share of a region ends (after its last mk call): releases per-thread
   // state such as the AMX tile configuration; null where a path keeps none
   void (*done)();
+  // Optional (null: the driver uses mk): two blocks at once, the same x rows (m <= mr2) against the
+  // kp rows of wa and of wb, into acc_a and acc_b (each as mk's acc), and pf_lines lines of each of pfa
+  // and pfb (either may be null) pulled into cache along the way. Each output's sum runs in mk's order,
+  // so the bits are mk's. Where a broadcast of x costs issue slots of the dot-product pipes (AMD Zen 4:
+  // vdpbf16ps on 512 bits is double-pumped), 64 rows per broadcast instead of 32 halve that cost.
+  int mr2;
+  void (*mk2)(const uint16_t* wa, const uint16_t* wb, int64_t kpairs, const uint16_t* x, int64_t ldx, int m,
+              float* acc_a, float* acc_b, bool accumulate, const char* pfa, const char* pfb, int64_t pf_lines);
 };
 
 extern const IsaOps kGenericOps;

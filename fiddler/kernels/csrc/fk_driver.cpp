@@ -96,12 +96,24 @@ struct Piece {
   int64_t ldx;
 };
 
+// One block's piece of a K chunk in many_token_region: its weights, the next piece it pulls into cache
+// (null: none), its rows (from the chunk's first column) and its accumulators.
+struct ChunkPiece {
+  const uint16_t* w;
+  const char* pf;
+  const uint16_t* x;
+  int64_t ldx;
+  float* acc;
+};
+thread_local std::vector<ChunkPiece> t_pieces;
+
 // Blocking for many token rows, GEMM-style, so that the weights still stream from DRAM once (up to
 // kTokenChunk rows) while both operands are reused from cache instead of re-read from L3:
 //  - a pool item is a super-block of `super_blocks` consecutive items (8: 256 weight rows);
 //  - token rows go `token_chunk` at a time; their fp32 accumulators for the super-block stay in L2;
 //  - K goes `k_chunk` columns at a time: one block's piece (32 x 512 bf16, 32 KiB, on a 48 KiB L1d)
-//    stays in L1 while every token group uses it, and the rows' piece in L2 while every block does.
+//    stays in L1 while every token group uses it (where the path takes two blocks a call, IsaOps::mk2,
+//    the two pieces stay in L2), and the rows' piece in L2 while every block does.
 //  The sizes come from this CPU's caches and the super-blocks set for this many rows (blocking(), fk_tuning.cpp).
 //  Along the way each piece's calls pull the piece this thread reads after it into L2 (the same
 //  block's next K chunk, else the next token chunk's or the next super-block's first), so the DRAM
@@ -111,7 +123,7 @@ struct Piece {
 template <class Src, class Epi>
 void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items, int threads,
                        const Src& src, const Epi& epi) {
-  const Blocking bk = blocking(p.rows);
+  const Blocking bk = blocking(p.rows, p.ops);
   const int64_t kSuperBlocks = bk.super_blocks, kTokenChunk = bk.token_chunk, kManyChunkK = bk.k_chunk;
   const int64_t bb = block_bytes(k_pad);
   const int mr = p.ops->mr;
@@ -119,11 +131,11 @@ void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items
   const int64_t n_super = (n_items + kSuperBlocks - 1) / kSuperBlocks;
   pool().run(std::min<int64_t>(threads, n_super), n_super, 1, [&](int64_t s0, int64_t s1) {
     float* acc = scratch(t_acc, size_t(kSuperBlocks * groups * mc_max * kBlockN));
+    std::vector<ChunkPiece>& pieces = t_pieces;
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t i0 = s * kSuperBlocks, i1 = std::min(n_items, i0 + kSuperBlocks);
       for (int64_t m0 = 0; m0 < p.rows; m0 += mc_max) {
         const int64_t mc = std::min(mc_max, p.rows - m0);
-        const int64_t calls = (mc + mr - 1) / mr;  // token groups per piece
         for (int64_t k0 = 0; k0 < k_pad; k0 += kManyChunkK) {
           const int64_t kk = std::min(kManyChunkK, k_pad - k0);
           // the chunk this thread reads after this one: the next K chunk, else K chunk 0 of the
@@ -134,25 +146,42 @@ void many_token_region(const Plan& p, int groups, int64_t k_pad, int64_t n_items
             if (m0 + mc >= p.rows) ni0 = s + 1 < s1 ? i0 + kSuperBlocks : -1;
           }
           const int64_t next_lines = ni0 >= 0 && ni0 < n_items ? std::min(kManyChunkK, k_pad - nk0) : 0;
-          const int64_t pf_per_call = (next_lines + calls - 1) / calls;
+          // this K chunk's pieces (item-major, then group) and the next pieces they pull in
+          pieces.clear();
           for (int64_t i = i0; i < i1; ++i) {
             const Piece pc = src(i);
             const int64_t ni = ni0 + (i - i0);
             const uint8_t* nblk = next_lines && ni < n_items ? src(ni).block : nullptr;
-            for (int g = 0; g < groups; ++g) {
-              const char* wk = reinterpret_cast<const char*>(pc.block + g * bb + k0 / 2 * kBlockN * 4);
-              const char* pf = nblk ? reinterpret_cast<const char*>(nblk + g * bb + nk0 / 2 * kBlockN * 4) : nullptr;
-              float* ag = acc + ((i - i0) * groups + g) * mc * kBlockN;
-              int64_t left = nblk ? next_lines : 0;  // 64-byte lines of the next piece (kk_next lines)
-              for (int64_t t0 = m0; t0 < m0 + mc; t0 += mr) {
-                const int m = int(std::min<int64_t>(mr, m0 + mc - t0));
-                const int64_t n = std::min(left, pf_per_call);
-                p.ops->mk(reinterpret_cast<const uint16_t*>(wk), kk / 2, pc.x + t0 * pc.ldx + k0, pc.ldx, m,
-                          ag + (t0 - m0) * kBlockN, k0 > 0, pf, n);
-                if (pf) pf += 64 * n;
-                left -= n;
-              }
+            for (int g = 0; g < groups; ++g)
+              pieces.push_back({reinterpret_cast<const uint16_t*>(pc.block + g * bb + k0 / 2 * kBlockN * 4),
+                                nblk ? reinterpret_cast<const char*>(nblk + g * bb + nk0 / 2 * kBlockN * 4) : nullptr,
+                                pc.x + k0, pc.ldx, acc + ((i - i0) * groups + g) * mc * kBlockN});
+          }
+          // two pieces with the same rows (an item's groups; with one group, consecutive items' blocks)
+          // go through mk2 together where the path has it; a piece left over through mk
+          for (size_t j = 0; j < pieces.size();) {
+            const ChunkPiece& a = pieces[j];
+            const bool two = p.ops->mk2 && j + 1 < pieces.size() && pieces[j + 1].x == a.x;
+            const int step = two ? p.ops->mr2 : mr;
+            const int64_t n_calls = (mc + step - 1) / step;
+            const int64_t pf_per_call = (next_lines + n_calls - 1) / n_calls;
+            const char* pfa = a.pf;
+            const char* pfb = two ? pieces[j + 1].pf : nullptr;
+            int64_t left = pfa || pfb ? next_lines : 0;  // 64-byte lines of the next piece (kk_next lines)
+            for (int64_t t0 = m0; t0 < m0 + mc; t0 += step) {
+              const int m = int(std::min<int64_t>(step, m0 + mc - t0));
+              const int64_t n = std::min(left, pf_per_call);
+              const uint16_t* xt = a.x + t0 * a.ldx;
+              if (two)
+                p.ops->mk2(a.w, pieces[j + 1].w, kk / 2, xt, a.ldx, m, a.acc + (t0 - m0) * kBlockN,
+                           pieces[j + 1].acc + (t0 - m0) * kBlockN, k0 > 0, pfa, pfb, n);
+              else
+                p.ops->mk(a.w, kk / 2, xt, a.ldx, m, a.acc + (t0 - m0) * kBlockN, k0 > 0, pfa, n);
+              if (pfa) pfa += 64 * n;
+              if (pfb) pfb += 64 * n;
+              left -= n;
             }
+            j += two ? 2 : 1;
           }
         }
         for (int64_t i = i0; i < i1; ++i) epi(i, acc + (i - i0) * groups * mc * kBlockN, m0, mc);

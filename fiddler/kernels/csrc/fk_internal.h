@@ -78,9 +78,11 @@ struct Blocking {
 };
 constexpr int64_t kDefaultSuperBlocks = 8, kMaxSuperBlocks = 64;
 constexpr int kMaxSuperBlockEntries = 8;
-Blocking derive_blocking(int64_t l1d, int64_t l2, int64_t super_blocks = 0);  // 0: the default
-// this CPU's caches, with the super-blocks set for calls of `rows` token rows
-Blocking blocking(int64_t rows = INT64_MAX);
+// super_blocks 0: the default; two_blocks: for a path whose micro-kernel takes two blocks a call (IsaOps::mk2)
+Blocking derive_blocking(int64_t l1d, int64_t l2, int64_t super_blocks = 0, bool two_blocks = false);
+// this CPU's caches, with the super-blocks set for calls of `rows` token rows, for the path `ops` (null: the
+// one a many-token call takes now)
+Blocking blocking(int64_t rows = INT64_MAX, const IsaOps* ops = nullptr);
 // n entries: calls of up to rows[i] rows (increasing; the last also serves more) use values[i] super-blocks
 // (1..kMaxSuperBlocks); n = 0: the default for all. 0 or an error (fail)
 int set_super_blocks(const int64_t* rows, const int64_t* values, int n);

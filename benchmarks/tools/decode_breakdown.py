@@ -26,6 +26,7 @@ import torch
 
 import fiddler.model as fmodel
 from fiddler import Engine
+from fiddler.hardware import cpu_description
 from fiddler.kernels import _lib
 
 
@@ -153,7 +154,7 @@ def main() -> None:
             best = (total / steps, parts, calls, out.stats.get("step_paths"))
     per_tok, parts, calls, paths = best
     print(f"model {a.model} quant {a.quant or 'bf16'} threads {a.threads}  load {open('/proc/loadavg').read().split()[:3]}")
-    print(f"CPU: {cpu_name()}  decode path {engine.model.decode_path()}  step paths {paths}")
+    print(f"CPU: {cpu_description()}  decode path {engine.model.decode_path()}  step paths {paths}")
     print(f"generate loop, unwrapped: {min(plain) * 1e6:8.1f} us/token (median step, best of {a.rounds})")
     print(f"generate loop, wrapped:   {per_tok * 1e6:8.1f} us/token (mean step of the best round)")
     print(f"{'part':34s} {'us/token':>9s} {'calls/token':>12s}")
@@ -168,16 +169,6 @@ def main() -> None:
         c_total += parts[k]
         print(f"  {k[3:]:32s} {parts[k] * 1e6:9.1f} {calls[k]:12.1f}")
     print(f"{'  all C calls':34s} {c_total * 1e6:9.1f}   -> Python and binding: {(per_tok - c_total) * 1e6:.1f} us/token")
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
 
 
 if __name__ == "__main__":

@@ -171,18 +171,30 @@ class PackedLinear:
     __call__ = forward
 
 
+def _check_experts(experts: list[PackedExpert], x: torch.Tensor) -> tuple[int, int, int]:
+    """(hidden, ffn, tokens) of a fused MoE call: at least one expert, all of one shape, x their input."""
+    if not experts:
+        raise ValueError("moe_ffn needs at least one expert")
+    hidden, ffn = experts[0].hidden, experts[0].ffn
+    if any(e.hidden != hidden or e.ffn != ffn for e in experts):
+        raise ValueError("moe_ffn: experts must share one shape")
+    return hidden, ffn, _check_x(x, hidden, "expert")
+
+
+def _expert_ptrs(experts: list[PackedExpert]):
+    """The experts' gate/up and down blocks as the C arrays of pointers the fused calls take."""
+    n = len(experts)
+    return ((ctypes.c_void_p * n)(*(e._w13.data_ptr() for e in experts)),
+            (ctypes.c_void_p * n)(*(e._w2.data_ptr() for e in experts)))
+
+
 def moe_ffn(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
     """The MoE combine of one decode step in one call: sum_e bf16(bf16(experts[e](x)) * weights[e]) for rows
     x [tokens, hidden] that all use the same experts (fp32 sum rounded to bf16 once, like
     `(y * w).sum(dim)` in torch). weights: bf16 [len(experts)]. One pooled region for every expert's
     gate/up pass and one for the down passes (two barriers per layer instead of two per expert)."""
-    if not experts:
-        raise ValueError("moe_ffn needs at least one expert")
-    hidden, ffn = experts[0].hidden, experts[0].ffn
-    if any(e.hidden != hidden or e.ffn != ffn for e in experts):
-        raise ValueError("moe_ffn: experts must share one shape")
-    tokens = _check_x(x, hidden, "expert")
+    hidden, ffn, tokens = _check_experts(experts, x)
     _check_tensor("weights", weights, 1)
     if weights.shape[0] != len(experts):
         raise ValueError(f"weights must have one entry per expert ({len(experts)}), got {weights.shape[0]}")
@@ -192,8 +204,7 @@ def moe_ffn(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor,
         _check_out(out, (tokens, hidden), torch.bfloat16)
     if tokens:
         n = len(experts)
-        p13 = (ctypes.c_void_p * n)(*(e._w13.data_ptr() for e in experts))
-        p2 = (ctypes.c_void_p * n)(*(e._w2.data_ptr() for e in experts))
+        p13, p2 = _expert_ptrs(experts)
         _lib.check(_L().fk_moe_ffn(p13, p2, weights.data_ptr(), n, hidden, ffn, x.data_ptr(), tokens,
                                    out.data_ptr(), _threads(threads)))
     return out
@@ -205,12 +216,7 @@ def moe_ffn_residual(experts: list[PackedExpert], weights: torch.Tensor, x: torc
                      threads: int | None = None) -> torch.Tensor:
     """residual + moe_ffn(experts, weights, x) in one call, bit-identical to the two (the add rounds as torch's
     bf16 add does): a decode row's experts and the residual stream's add. residual: bf16 like x."""
-    if not experts:
-        raise ValueError("moe_ffn needs at least one expert")
-    hidden, ffn = experts[0].hidden, experts[0].ffn
-    if any(e.hidden != hidden or e.ffn != ffn for e in experts):
-        raise ValueError("moe_ffn: experts must share one shape")
-    tokens = _check_x(x, hidden, "expert")
+    hidden, ffn, tokens = _check_experts(experts, x)
     _check_out(residual, tuple(x.shape), torch.bfloat16)
     if weights.dtype != torch.bfloat16 or weights.dim() != 1 or weights.shape[0] != len(experts) \
             or not weights.is_contiguous() or weights.device.type != "cpu":
@@ -219,8 +225,7 @@ def moe_ffn_residual(experts: list[PackedExpert], weights: torch.Tensor, x: torc
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
     if tokens:
         n = len(experts)
-        p13 = (ctypes.c_void_p * n)(*(e._w13.data_ptr() for e in experts))
-        p2 = (ctypes.c_void_p * n)(*(e._w2.data_ptr() for e in experts))
+        p13, p2 = _expert_ptrs(experts)
         _lib.check(_L().fk_moe_ffn_residual_bf16(p13, p2, weights.data_ptr(), n, hidden, ffn, x.data_ptr(),
                                                  residual.data_ptr(), tokens, out.data_ptr(), _threads(threads)))
     return out

@@ -484,9 +484,12 @@ print("ISA", fk.isa())
 """
 
 
-def run_python(code, env=None, prefix=()):
+def run_python(code, env=None, prefix=(), auto_isa=False):
+    """code in a child python; auto_isa: without a forced kernel ISA (FIDDLER_KERNEL_ISA) from this process,
+    for the tests that check the automatic choice on an emulated CPU."""
+    base = {k: v for k, v in os.environ.items() if not (auto_isa and k == "FIDDLER_KERNEL_ISA")}
     return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+                          env={**base, **(env or {})})
 
 
 def test_forced_fallback_by_environment():
@@ -536,7 +539,7 @@ print("ISA", ["generic", "avx2", "avx512_bf16"][L.fk_isa()])
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (apt-get install qemu-user)")
 def test_runs_on_haswell_without_avx512():
     # qemu's TCG has no AVX-512, so any AVX-512 (or AMX) instruction reached here would be SIGILL
-    r = run_python(_SMALL_CALL, prefix=("qemu-x86_64", "-cpu", "Haswell"))
+    r = run_python(_SMALL_CALL, prefix=("qemu-x86_64", "-cpu", "Haswell"), auto_isa=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ISA avx2" in r.stdout
 
@@ -544,7 +547,8 @@ def test_runs_on_haswell_without_avx512():
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (apt-get install qemu-user)")
 def test_library_runs_on_baseline_x86_64():
     # qemu64: SSE2-era x86-64 (torch itself needs more, so only the library is loaded)
-    r = run_python(_CTYPES_CALL % str(Path(fk.__file__).with_name("_lib.py")), prefix=("qemu-x86_64", "-cpu", "qemu64"))
+    r = run_python(_CTYPES_CALL % str(Path(fk.__file__).with_name("_lib.py")), prefix=("qemu-x86_64", "-cpu", "qemu64"),
+                   auto_isa=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ISA generic" in r.stdout
 

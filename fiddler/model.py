@@ -776,14 +776,15 @@ class MoETransformer:
             w = torch.cat([w, g.to(w.dtype).expand(T, S)], dim=1)
         return idx, w
 
-    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, count_rows: bool) -> torch.Tensor:
+    def _moe(self, i: int, x: torch.Tensor, h: torch.Tensor, count_rows: bool, logits: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """x + MLP(h) for layer i: a dense layer's MLP, or route, hand the experts to the executor, then the
         executor's hook that sees the residual stream after each MoE layer (e.g. to guess and prefetch the
         next layer's experts with its router, as Mixtral-Offloading does)."""
         layer = self.layers[i]
         if layer.mlp is not None:
             return x + layer.mlp(h.to(self.dtype))
-        idx, w = self._route(layer, h)
+        idx, w = self._route(layer, h, logits=logits)
         return self._experts(i, x, h, idx, w, count_rows)
 
     def _experts(self, i: int, x: torch.Tensor, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
@@ -829,13 +830,8 @@ class MoETransformer:
             pos_b = (ctypes.c_int64 * B)(*([pos] * B if rows is None else pos.tolist()))
             rows_b = (ctypes.c_int64 * B)(*(range(B) if rows is None else rows.tolist()))
             threads = self.layers[0].qkv_proj.packed_threads()
-            for i, layer in enumerate(self.layers):
-                x, h, logits = block(i, x.contiguous(), pos_b, rows_b, threads)
-                if layer.mlp is not None:  # a dense layer (as _moe)
-                    x = x + layer.mlp(h)
-                    continue
-                idx, w = self._route(layer, h, logits=logits)
-                x = self._experts(i, x, h, idx, w, B > 1)
+            x = self._layers(x, None, None, B > 1,
+                             block=lambda i, x: block(i, x.contiguous(), pos_b, rows_b, threads))
         else:
             x = self._layer_ops(x, B, pos, rows, qk_ops, f32)
         xn = norm(x, self.norm, eps, out=self._buf("norm_f", (B, H), dt))
@@ -958,13 +954,20 @@ class MoETransformer:
         bound (bf16, CPU, GQA, one device: see _make_decode_ops) and not switched off (decode_fastpath)."""
         return self.decode_fastpath and self._decode_ops is not None and device.type == "cpu"
 
-    def _layers(self, x: torch.Tensor, attention, norm, count_rows: bool, bufs=(None, None)) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, attention, norm, count_rows: bool, bufs=(None, None), block=None
+                ) -> torch.Tensor:
         """The one layer loop every forward runs: x + attention(norm(x)), then x + MoE/MLP(norm(x)), layer by
         layer, the residual stream following each layer's device. attention(i, h) and norm(x, weight, buf)
         are the step's (on the GPU side attention(i, h, x) returns x + attention, added in o_proj's GEMM) (the fused decode kernels' into reused buffers, or the general ops); count_rows: count
-        the distinct experts of a several-row decode step (the decode bound)."""
+        the distinct experts of a several-row decode step (the decode bound). block(i, x) -> (x + attention,
+        the post-attention norm's output, router logits): the fused decode step's one call a layer
+        (fiddler.kernels.decode.DecodeBlock), in place of attention and both norms."""
         eps = self.cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
+            if block is not None:
+                x, h, logits = block(i, x)
+                x = self._moe(i, x, h, count_rows, logits)
+                continue
             if x.device != layer.device:
                 x = x.to(layer.device)
             if layer.on_gpu:  # the fewest launches: one per norm (fused_rms_norm), residuals added in GEMMs

@@ -142,7 +142,8 @@ def test_the_model_has_one_layer_loop_and_one_fused_decode_rule():
                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name})
 
     assert callers("_moe") == ["_layers"]
-    assert callers("_layers") == ["_decode_step", "_forward"]
+    assert callers("_layers") == ["_decode_step", "_forward", "_layer_ops"]
+    assert callers("_layer_ops") == ["_decode_step"]
     assert callers("_fused_decode") == ["decode_path", "forward"]
     loops = [f.name for f in cls.body if isinstance(f, ast.FunctionDef) for n in ast.walk(f)
              if isinstance(n, ast.For) and "self.layers" in ast.unparse(n.iter)]

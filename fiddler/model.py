@@ -869,8 +869,8 @@ class MoETransformer:
     def _decode_block(self, B: int):
         """The one rule for the fused decode step's one-call layers: fiddler.kernels.decode.DecodeBlock bound to
         the layers as they are now, or None where any layer is not the plain bf16 GQA MoE layer it computes
-        (q/k norms or clip, quantized projections and their fp32 activations, an fp32 router, a dense MLP,
-        the GPU side, more rows than the projections' kernel serves). Bound on first use, and again when a
+        (q/k norms or clip, quantized projections and their fp32 activations, an fp32 router, the GPU side,
+        more rows than the projections' kernel serves); a dense MLP layer takes the block without router logits. Bound on first use, and again when a
         projection was replaced (fiddler.quant installs its own after the model is built) or the
         projections' crossover changed (set_kernel_max_tokens)."""
         if not self.decode_blocks or self.fp32_quant_acts:

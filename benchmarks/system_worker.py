@@ -21,12 +21,12 @@ def _adapter_class(name: str):
     return adapter_class(config_cls.build().adapter), config_cls
 
 
-def _serve(conn, name: str, model: dict, ctx: dict) -> None:
+def _serve(conn, name: str, model: dict, ctx: dict, options: dict) -> None:
     try:
         from systems.base import GenerationRequest, ModelSpec, RunContext
 
         adapter_cls, config_cls = _adapter_class(name)
-        adapter = adapter_cls(config_cls.build(), ModelSpec(**model), RunContext(**ctx))
+        adapter = adapter_cls(config_cls.build(**options), ModelSpec(**model), RunContext(**ctx))
         adapter.load()
     except Exception as exc:  # reported to the parent (llama.cpp missing: a skipped ratio)
         conn.send(("unavailable", f"{type(exc).__name__}: {exc}"))
@@ -50,13 +50,14 @@ def _serve(conn, name: str, model: dict, ctx: dict) -> None:
 class SystemWorker:
     """A loaded system in a child process: `timed(ids, new)` -> (ttft s, decode s per token)."""
 
-    def __init__(self, name: str, model: dict[str, Any], ctx: dict[str, Any]):
+    def __init__(self, name: str, model: dict[str, Any], ctx: dict[str, Any], options: dict[str, Any] | None = None):
+        """options: the system's config fields (`system.<key>=` on the command line), e.g. quant."""
         from runners.isolation import start_in_env
 
         adapter_cls, _ = _adapter_class(name)  # light: adapters import their libraries in load()
         spawn = mp.get_context("spawn")
         self.conn, child = spawn.Pipe()
-        self.proc = spawn.Process(target=_serve, args=(child, name, model, ctx), daemon=True)
+        self.proc = spawn.Process(target=_serve, args=(child, name, model, ctx, dict(options or {})), daemon=True)
         # the system's own environment, and OMP_WAIT_POLICY only where it sets it (as the harness runs it)
         start_in_env(self.proc, adapter_cls.process_env, unset=("OMP_WAIT_POLICY",))
         status, detail = self.conn.recv()

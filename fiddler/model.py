@@ -327,6 +327,20 @@ class DecoderLayer:
         return self.router(h, out=out)
 
 
+def _block_layer_refusal(l: DecoderLayer, quant: bool) -> str | None:
+    """Why layer l is not what the DecodeBlock computes (MoETransformer._block_refusal's per-layer part)."""
+    if l.on_gpu or l.mla is not None:
+        return "a layer on the GPU side or with MLA"
+    if l.mlp is not None:  # a dense layer: no router
+        return None
+    # a MoE layer's router: the block's bf16 one, or with fp32 activations an fp32 one left to _route
+    if quant and (l.router is not None or l.router_fp32 is None):
+        return "a router other than the fp32 one of quantized projections"
+    if not quant and (l.router is None or l.router_fp32 is not None):
+        return "an fp32 router with bf16 activations"
+    return None
+
+
 def segment_groups(segments: Sequence[Segment]) -> list[tuple[int, int, int, int]]:
     """The step's segments as (first cache row, rows, start, tokens per row) groups that attend in one call:
     single tokens at one position on consecutive rows (beams: one SDPA call for all of them, as a GPU
@@ -533,11 +547,12 @@ class MoETransformer:
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self._bufs: dict[tuple, torch.Tensor] = {}  # decode-step result buffers, reused every step
         self._kernel_norm = None  # fiddler.kernels.decode.rms_norm where the decode kernels are bound
+        self._kernel_norm_f32 = None  # and its rms_norm_f32
         self._decode_ops, why = self._make_decode_ops(use_kernel)
         self._decode_ops_error = why
         # the fused step's layers in one call each where they qualify (_decode_block); False: separate calls
         self.decode_blocks = True
-        self._block, self._block_max_tokens = None, 0
+        self._block, self._block_max_tokens, self._block_why = None, 0, None
         if decode_fastpath and self._decode_ops is None:
             raise ValueError(f"decode_fastpath=True but the fused decode kernels cannot be used: {why}")
         self.decode_fastpath = self._decode_ops is not None and decode_fastpath is not False
@@ -571,7 +586,7 @@ class MoETransformer:
                                      sliding_window=self.cfg.sliding_window)
         except (TypeError, ValueError) as e:
             return None, str(e)
-        self._kernel_norm = kd.rms_norm
+        self._kernel_norm, self._kernel_norm_f32 = kd.rms_norm, kd.rms_norm_f32
         return ops, None
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -586,6 +601,14 @@ class MoETransformer:
                 x.is_contiguous() and weight.device.type == "cpu":
             return self._kernel_norm(x, weight, eps)
         return rms_norm(x, weight, eps)
+
+    def _norm_f32(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm_f32 (the quantized projections' fp32 input), by the C++ kernel where the decode kernels are
+        bound and x is bf16 on the CPU (bit-exact with it: one call for torch's four ops), else in torch."""
+        if self._kernel_norm_f32 is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 and \
+                x.is_contiguous() and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            return self._kernel_norm_f32(x, weight, eps)
+        return rms_norm_f32(x, weight, eps)
 
     def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor | None:
         """A reusable output buffer for decode steps (one token per row); None for prefill, whose shapes vary."""
@@ -862,18 +885,19 @@ class MoETransformer:
             return layer.o_proj(a, out=buf_o)
 
         def fused_norm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-            return rms_norm_f32(x, w, eps) if f32 else norm(x, w, eps, out=buf)
+            return self._norm_f32(x, w, eps) if f32 else norm(x, w, eps, out=buf)
 
         return self._layers(x, fused_attention, fused_norm, B > 1, (buf_n1, buf_n2))
 
     def _decode_block(self, B: int):
         """The one rule for the fused decode step's one-call layers: fiddler.kernels.decode.DecodeBlock bound to
-        the layers as they are now, or None where any layer is not the plain bf16 GQA MoE layer it computes
-        (q/k norms or clip, quantized projections and their fp32 activations, an fp32 router, the GPU side,
-        more rows than the projections' kernel serves); a dense MLP layer takes the block without router logits. Bound on first use, and again when a
-        projection was replaced (fiddler.quant installs its own after the model is built) or the
-        projections' crossover changed (set_kernel_max_tokens)."""
-        if not self.decode_blocks or self.fp32_quant_acts:
+        the layers as they are now, or None where any layer is not the GQA layer it computes (OLMoE's
+        full-width q/k norms or clip, a DeepSeek fp32 router, the GPU side, more rows than the projections' kernel serves; see
+        `_block_refusal`): the plain bf16 MoE layer, or with quantized projections and their fp32 activations
+        (fp32_quant_acts: the fp32 router left to _route); a dense MLP layer takes the block without router
+        logits. Bound on first use, and again when a projection was replaced (fiddler.quant installs its own
+        after the model is built) or the projections' crossover changed (set_kernel_max_tokens)."""
+        if not self.decode_blocks:
             return None
         key = [(l.qkv_proj, l.o_proj, l.router) for l in self.layers]
         if self._block is None or self._block[0] != key:
@@ -881,21 +905,31 @@ class MoETransformer:
         block = self._block[1]
         return block if block is not None and B <= self._block_max_tokens else None
 
-    def _bind_block(self, key):
-        cfg = self.cfg
-        if cfg.qk_norm is not None or cfg.clip_qkv is not None or self._decode_ops is None:
-            return None
+    def _block_refusal(self, key) -> str | None:
+        """Why the layers are not what the DecodeBlock computes (None: they are)."""
+        cfg, quant = self.cfg, self.fp32_quant_acts
+        if cfg.qk_norm not in (None, "head") or cfg.clip_qkv is not None:  # Qwen3's per-head norms it computes
+            return "full-width q/k norms or clip_qkv"
+        if self._decode_ops is None:
+            return "no fused decode ops"
         lins = [lin for trio in key for lin in trio if lin is not None]
-        if any(not isinstance(lin, Linear) or lin.packed is None for lin in lins) or \
-                any(l.on_gpu or l.mla is not None or l.router_fp32 is not None or (l.router is None) != (l.mlp is not None)
-                    for l in self.layers) or len({lin.threads for lin in lins}) != 1:
+        if any(getattr(lin, "packed", None) is None or (not quant and not isinstance(lin, Linear)) for lin in lins):
+            return "a projection outside the CPU kernel"
+        if len({lin.threads for lin in lins}) != 1:
+            return "projections with different thread counts"
+        return next((why for why in (_block_layer_refusal(l, quant) for l in self.layers) if why), None)
+
+    def _bind_block(self, key):
+        self._block_why = self._block_refusal(key)
+        if self._block_why is not None:
             return None
-        self._block_max_tokens = min(lin.kernel_max_tokens for lin in lins)
-        kd = load_decode_kernels()
+        self._block_max_tokens = min(lin.kernel_max_tokens for trio in key for lin in trio if lin is not None)
         try:
-            return kd.DecodeBlock(self._decode_ops, [(l.input_norm, l.post_norm, q.packed, o.packed, r and r.packed)
-                                                     for l, (q, o, r) in zip(self.layers, key)], cfg.rms_norm_eps)
-        except (TypeError, ValueError):
+            return load_decode_kernels().DecodeBlock(
+                self._decode_ops, [(l.input_norm, l.post_norm, q.packed, o.packed, r and r.packed, l.q_norm, l.k_norm)
+                                   for l, (q, o, r) in zip(self.layers, key)], self.cfg.rms_norm_eps)
+        except (TypeError, ValueError) as e:  # the binding's own checks: said in decode_path(), never silent
+            self._block_why = str(e)
             return None
 
     @torch.inference_mode()
@@ -927,6 +961,9 @@ class MoETransformer:
         if self.decode_graphs is not None:  # rows 0..B-1; other decode steps take the general path
             return {"path": "graph_decode", "captured": self.decode_graphs.capture}
         if self._fused_decode(self.device):
+            if self.decode_blocks and self._decode_block(1) is None:  # each layer's calls one by one, and why
+                why = self._block_why or "the projections' kernel serves no single-row call"
+                return {"path": "fused_decode", "layers": "separate calls", "why": why}
             return {"path": "fused_decode"}
         why = "decode_fastpath is off" if self._decode_ops is not None else self._decode_ops_error
         return {"path": "general", "why": why or f"the model's device is {self.device.type}"}
@@ -988,7 +1025,7 @@ class MoETransformer:
     def _forward(self, tokens: torch.Tensor, segments: Sequence[Segment], groups, all_logits: bool) -> torch.Tensor:
         """The general path: the ops every device and dtype runs (prefill, chunks, fp32, a GPU side)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        norm = rms_norm_f32 if self.fp32_quant_acts else self._norm  # final norm: bf16 into the bf16 lm_head
+        norm = self._norm_f32 if self.fp32_quant_acts else self._norm  # final norm: bf16 into the bf16 lm_head
         x = F.embedding(tokens.to(self.embed.device), self.embed)  # [N, H]
         decode_rows = len(segments) if len(segments) == tokens.shape[0] else 0
         x = self._layers(x, lambda i, h, residual=None: self._attend(i, h, groups, residual),

@@ -88,6 +88,10 @@ class QuantizedLinear:
         self.quant = quant
         self.threads: int | None = None
 
+    def packed_threads(self) -> int:
+        """The thread count the kernel's call takes (0: the library's default), as fiddler.model.Linear's."""
+        return self.threads or 0
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
         # fp32 x (MoETransformer.fp32_quant_acts) gives the model dtype back unless asked otherwise
         if out_dtype is None:

@@ -212,8 +212,10 @@ def test_input_checks():
 
 # ------------------------------------------------------------------ the whole model
 @functools.cache
-def engine(arch: str, executor: str) -> Engine:
+def engine(arch: str, executor: str, quant: str | None = None) -> Engine:
     kw = {"executor": local_executor} if executor == "reference" else {}
+    if quant is not None:  # quantized projections and experts, fp32 activations into them (fiddler.quant)
+        kw["quant"] = quant  # cached with the checkpoints (fiddler.quant.default_cache_dir)
     return Engine.from_pretrained(model_path(arch), dtype=BF16, gpu=GpuSide.none(), **kw)
 
 
@@ -337,13 +339,16 @@ def stepped_logits(e: Engine, blocks: bool, ids: torch.Tensor, feed: list[int], 
     return torch.cat([o.reshape(-1) for o in out])
 
 
-@pytest.mark.parametrize("arch", ["e8k2", "e16k4_odd", "qwen2_moe"])
+@pytest.mark.parametrize("arch,quant", [("e8k2", None), ("e16k4_odd", None), ("qwen2_moe", None),
+                                        ("e16k4_odd", "q4_0"), ("e8k2", "q8_0"), ("hd_tied", "q4_0"),
+                                        ("qwen3_moe", None), ("qwen3_moe", "q4_0")])
 @pytest.mark.parametrize("executor", ["reference", "fiddler"])
 @pytest.mark.parametrize("B", [1, 2])
-def test_decode_block_is_bit_identical_to_the_separate_calls(arch, executor, B):
+def test_decode_block_is_bit_identical_to_the_separate_calls(arch, quant, executor, B):
     """The one-call layer runs the same C functions as the separate calls on the same buffers: the same bits
-    on every kernel path (one row, and rows at different positions as continuous batching decodes them)."""
-    e = engine(arch, executor)
+    on every kernel path (one row, and rows at different positions as continuous batching decodes them),
+    bf16 or quantized (fk_decode_attn_block_q, the fp32 router after it in torch)."""
+    e = engine(arch, executor, quant)
     vocab = ARCHS[arch]["vocab_size"]
     ids, feed = prompt(12, vocab, seed=5), prompt(8, vocab, seed=8).tolist()
     got = stepped_logits(e, True, ids, feed, B)
@@ -351,8 +356,9 @@ def test_decode_block_is_bit_identical_to_the_separate_calls(arch, executor, B):
     assert torch.equal(got, stepped_logits(e, False, ids, feed, B))
 
 
-def test_decode_block_beams_and_greedy_match_the_separate_calls():
-    e = engine("e16k4_odd", "fiddler")
+@pytest.mark.parametrize("quant", [None, "q4_0"])
+def test_decode_block_beams_and_greedy_match_the_separate_calls(quant):
+    e = engine("e16k4_odd", "fiddler", quant)
     ids = prompt(10, ARCHS["e16k4_odd"]["vocab_size"], seed=4)
     runs = {}
     for blocks in (False, True):
@@ -365,10 +371,54 @@ def test_decode_block_beams_and_greedy_match_the_separate_calls():
 
 
 def test_decode_block_only_where_it_computes_the_layer():
-    """q/k norms (Qwen3-MoE) are not what the block computes: those layers keep the separate calls."""
-    e = engine("qwen3_moe", "reference")
-    e.generate(prompt(6, ARCHS["qwen3_moe"]["vocab_size"], seed=1), max_new_tokens=3)
+    """OLMoE's full-width q/k norms and clip_qkv are not what the block computes: those layers keep the
+    separate calls, and the engine's info says so and why."""
+    e = engine("olmoe", "reference")
+    e.generate(prompt(6, ARCHS["olmoe"]["vocab_size"], seed=1), max_new_tokens=3)
     assert e.model.last_path == "fused_decode" and e.model._block[1] is None
+    assert e.info()["decode_path"] == {"path": "fused_decode", "layers": "separate calls",
+                                       "why": "full-width q/k norms or clip_qkv"}
+
+
+def test_a_block_the_binding_refuses_is_reported_not_silent(monkeypatch):
+    """The binding's own checks refusing the layers leave the separate calls, with its message in decode_path."""
+    from fiddler.kernels import decode as kd
+
+    e = engine("e8k2", "reference")
+
+    def refuse(*a, **k):
+        raise ValueError("layer 0 norm1 must be [64]")
+
+    monkeypatch.setattr(kd, "DecodeBlock", refuse)
+    e.model._block = None
+    assert e.model.decode_path() == {"path": "fused_decode", "layers": "separate calls",
+                                     "why": "layer 0 norm1 must be [64]"}
+    e.generate(prompt(6, ARCHS["e8k2"]["vocab_size"], seed=1), max_new_tokens=2)
+    assert e.model.last_path == "fused_decode" and e.model._block[1] is None
+
+
+def test_rms_norm_f32_is_bit_exact_with_torch():
+    """The quantized projections' fp32 input (fiddler.model.rms_norm_f32: torch's F.rms_norm of x.float()
+    with an fp32 weight) from the C kernel, bit for bit, decode rows and a prompt's many (threaded) rows."""
+    from fiddler.kernels import decode as kd
+    from fiddler.model import rms_norm_f32
+
+    import fiddler.kernels as fk
+
+    best, prev = fk.features()["best_isa"], fk.isa()
+    isas = {"generic": ["generic"], "avx2": ["generic", "avx2"]}.get(best, ["generic", "avx2", best])
+    g = torch.Generator().manual_seed(3)
+    try:
+        for isa in isas:  # each ISA build of the kernel
+            fk.set_isa(isa)
+            for rows_, n in ((1, 2048), (3, 768), (2, 40), (1, 7), (700, 512)):
+                x = (torch.randn(rows_, n, generator=g) * 3).to(BF16)
+                w = torch.randn(n, generator=g)
+                assert torch.equal(kd.rms_norm_f32(x, w, 1e-5), rms_norm_f32(x, w, 1e-5)), (isa, rows_, n)
+    finally:
+        fk.set_isa(prev)
+    with pytest.raises(TypeError, match="float32"):
+        kd.rms_norm_f32(x, w.to(BF16), 1e-5)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -270,6 +270,11 @@ def test_quantized_matmuls_get_fp32_activations_like_llama_cpp(tmp_path):
     step = m.forward(ids[-1:], rows(1, 11)).clone()  # the fused decode step
     assert m.decode_fastpath and set(seen) == {torch.float32}
     assert ((step[0] - full[-1]).norm() / full[-1].norm()).item() < 2e-2
+    assert m.decode_path()["why"] == "a projection outside the CPU kernel"  # the wrapper: layer by layer
+    m.layers[0].qkv_proj = qkv  # the one-call layers (fk_decode_attn_block_q) compute the same step
+    m.forward(ids[:-1], rows(1, 0, 11))
+    block_step = m.forward(ids[-1:], rows(1, 11))
+    assert m._block[1] is not None and m._block[1].fmt == "q8_0" and torch.equal(block_step, step)
     # the bf16 engine is untouched
     b = Engine.from_pretrained(path)
     assert not b.model.fp32_quant_acts and all(l.router is not None for l in b.model.layers)

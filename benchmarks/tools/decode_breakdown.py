@@ -62,7 +62,7 @@ class Timed:
 
 C_CALLS = ("fk_rmsnorm_bf16", "fk_rope_attn_decode_bf16", "fk_rope_attn_decode_rows_bf16", "fk_linear",
            "fk_moe_ffn", "fk_qlinear", "fk_qmoe_ffn", "fk_quantize_rows", "fk_decode_attn_block_bf16",
-           "fk_moe_ffn_residual_bf16")
+           "fk_decode_attn_block_q", "fk_rmsnorm_f32", "fk_moe_ffn_residual_bf16")
 
 
 @contextmanager
@@ -82,15 +82,16 @@ def instrumented(engine: Engine, clock: Clock):
             lin = getattr(layer, attr)
             if lin is None:
                 continue
-            if isinstance(lin, fmodel.Linear) and lin.packed is not None:
+            if getattr(lin, "packed", None) is not None:  # fiddler.model.Linear's or fiddler.quant's kernel
                 patch(lin.packed, "forward", name)
             else:
                 patch(layer, attr, name)
     if getattr(m, "_block", None) is not None and m._block[1] is not None:  # bound by the warm-up's decode steps
         m._block = (m._block[0], clock.wrap("decode block (one call a layer)", m._block[1]))
         undo.append((m, "_block", (m._block[0], m._block[1]._fn)))
-    if m._kernel_norm is not None:
-        patch(m, "_kernel_norm", "rms_norm")
+    for attr in ("_kernel_norm", "_kernel_norm_f32"):
+        if getattr(m, attr, None) is not None:
+            patch(m, attr, "rms_norm")
     patch(fmodel, "rms_norm_f32", "rms_norm")
     if m._decode_ops is not None:
         patch(m, "_decode_ops", "rope_attention")
@@ -103,7 +104,8 @@ def instrumented(engine: Engine, clock: Clock):
     patch(fgen, "choose_token", "token choice (argmax)")
     import fiddler.kernels.decode as kdec
     for attr, name in (("_rmsnorm", "fk_rmsnorm_bf16"), ("_rope_attn", "fk_rope_attn_decode_bf16"),
-                       ("_rope_attn_rows", "fk_rope_attn_decode_rows_bf16"), ("_block", "fk_decode_attn_block_bf16")):
+                       ("_rope_attn_rows", "fk_rope_attn_decode_rows_bf16"), ("_block", "fk_decode_attn_block_bf16"),
+                       ("_rmsnorm_f32", "fk_rmsnorm_f32"), ("_block_q", "fk_decode_attn_block_q")):
         if hasattr(kdec, attr):
             patch(kdec, attr, "C: " + name)
     for name in C_CALLS:

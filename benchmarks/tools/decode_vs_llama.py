@@ -5,7 +5,10 @@ adapter in its own process, a clock around adapter.generate, decode step = (end 
 (new tokens - 1)), with many more rounds: the best and the median per token of each side, and the ratio of
 the bests (the suite's reading) and of the medians. One JSON line last, for scripts/ab.py --key.
 
-    python benchmarks/tools/decode_vs_llama.py [--model tiny_mixtral] [--rounds 30]
+    python benchmarks/tools/decode_vs_llama.py [--model tiny_mixtral] [--quant q4_0] [--rounds 30]
+
+--quant: both sides at that type (system.quant=...; llama.cpp's pure GGUF of the same weights, its
+default quant_policy, so the same tensors are quantized).
 
 The engine and harness code are the ones PYTHONPATH finds first (scripts/ab.py sets it to each side's tree).
 """
@@ -22,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny_mixtral")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--quant", default=None, help="q8_0 | q4_0: both systems at that type (default bf16)")
     a = ap.parse_args()
     from benchmarks.system_worker import SystemWorker
     from benchmarks.test_system_ratios import DECODE_PROMPT, DECODE_TOKENS, PREFILL, prompt
@@ -31,7 +35,8 @@ def main() -> None:
     model = dict(name=a.model, path=str(synthetic_model(a.model)), dtype="bfloat16")
     ctx = dict(threads=len(os.sched_getaffinity(0)), gpu_memory_gb=0.0, has_cuda=False, cache_dir=str(cache),
                max_seq_len=PREFILL + DECODE_TOKENS + 8, max_batch=1)
-    workers = {n: SystemWorker(n, model, ctx) for n in ("fiddler", "llama_cpp")}
+    options = {"quant": a.quant} if a.quant else {}
+    workers = {n: SystemWorker(n, model, ctx, options) for n in ("fiddler", "llama_cpp")}
     try:
         for n, w in workers.items():
             if w.unavailable:
@@ -53,6 +58,7 @@ def main() -> None:
     out["ratio_best"] = out["llama_cpp_best_us"] / out["fiddler_best_us"]
     out["ratio_median"] = out["llama_cpp_median_us"] / out["fiddler_median_us"]
     out["loadavg"] = os.getloadavg()[0]
+    print(f"model {a.model}  type {a.quant or 'bf16'}  {a.rounds} interleaved rounds")
     for k, v in out.items():
         print(f"{k:22s} {v:10.3f}")
     print(json.dumps(out))

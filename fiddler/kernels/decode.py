@@ -1,6 +1,7 @@
 """Fused per-token ops of a bf16 CPU decode step (csrc/fk_decode.cpp), one ctypes call each.
 
 * `rms_norm(x, weight, eps, out=None)`: fiddler.model.rms_norm for bf16, bit-exact.
+* `rms_norm_f32(x, weight, eps, out=None)`: fiddler.model.rms_norm_f32 (bf16 x, fp32 weight and result), bit-exact.
 * `rope_attention_decode(qkv, pos, cos, sin, k_cache, v_cache, ...)`: rope on the new token's q and k
   (bit-exact), k/v written into the KV cache at `pos`, single-query GQA attention over positions
   [0, pos] (or the sliding window), output [B, num_heads * head_dim] as o_proj reads it.
@@ -8,7 +9,8 @@
   hot path (a few microseconds of Python per call).
 * `DecodeBlock`: a whole decoder layer's attention half (norm, q/k/v projection, rope + attention, o
   projection, residual add) and its MoE half's inputs (norm, router logits) in one call, bit-identical to
-  those ops called one by one.
+  those ops called one by one; for quantized projections (fiddler.kernels.quant.QuantLinear) with the
+  model's fp32 activations too, the router then left to the caller.
 
 A decode step used to spend ~40 torch ops per layer on these (rms_norm 8, rope ~14, two index_put
 cache writes, SDPA, reshapes); each costs 5-140 us of dispatch on a small CPU, more than the math.
@@ -19,8 +21,10 @@ from __future__ import annotations
 import torch
 
 from . import _lib
+from .constants import QUANT_FORMATS
 
-__all__ = ["DecodeAttention", "DecodeBlock", "is_available", "load_error", "rms_norm", "rope_attention_decode"]
+__all__ = ["DecodeAttention", "DecodeBlock", "is_available", "load_error", "rms_norm", "rms_norm_f32",
+           "rope_attention_decode"]
 
 _BF16 = torch.bfloat16
 _ok = _lib.lib is not None
@@ -29,7 +33,9 @@ if _ok:
     _rmsnorm = _lib.lib.fk_rmsnorm_bf16
     _rope_attn = _lib.lib.fk_rope_attn_decode_bf16
     _rope_attn_rows = _lib.lib.fk_rope_attn_decode_rows_bf16
+    _rmsnorm_f32 = _lib.lib.fk_rmsnorm_f32
     _block = _lib.lib.fk_decode_attn_block_bf16
+    _block_q = _lib.lib.fk_decode_attn_block_q
 
 
 def is_available() -> bool:
@@ -51,11 +57,11 @@ def _need():
         raise RuntimeError(_error)
 
 
-def _check_bf16(name: str, t, dim: int | None = None) -> None:
+def _check_bf16(name: str, t, dim: int | None = None, dtype: torch.dtype = _BF16) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != _BF16:
-        raise TypeError(f"{name} must be torch.bfloat16, got {t.dtype}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got {t.device}")
     if dim is not None and t.dim() != dim:
@@ -86,6 +92,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     rows = x.numel() // n
     if rows:
         _check(_rmsnorm(x.data_ptr(), weight.data_ptr(), rows, n, eps, out.data_ptr()))
+    return out
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """fp32(x * rsqrt(mean(x^2) + eps)) * weight in fp32 over the last dim, for bf16 x [..., n] and an fp32
+    weight [n]: fiddler.model.rms_norm_f32 (torch's F.rms_norm of x.float()), bit-exact; fp32 result."""
+    _need()
+    _check_bf16("x", x)
+    _check_bf16("weight", weight, 1, torch.float32)
+    n = weight.shape[0]
+    if x.dim() < 1 or x.shape[-1] != n or n == 0:
+        raise ValueError(f"x must be [..., {n}] to match weight, got {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32)
+    else:
+        _check_bf16("out", out, None, torch.float32)
+        if out.shape != x.shape:
+            raise ValueError(f"out must have shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    rows = x.numel() // n
+    if rows:
+        _check(_rmsnorm_f32(x.data_ptr(), weight.data_ptr(), rows, n, eps, out.data_ptr()))
     return out
 
 
@@ -211,10 +239,15 @@ class DecodeBlock:
     """fk_decode_attn_block_bf16 bound to one model: per layer i, with h = rms_norm(x, norm1),
     x_out = x + o_proj(attention(qkv_proj(h))), h2 = rms_norm(x_out, norm2), logits = router(h2): the
     decode step's seven calls of that layer in one, every output bit-identical to them (the same C
-    functions on the same buffers). `layers`: per layer (norm1, norm2, qkv, o, router), the norms bf16
-    [hidden] weights, the projections fiddler.kernels.PackedLinear (router without a bias; None for a dense
-    layer, whose logits are then None); validated here once, with the DecodeAttention that holds the cache
-    and rope tables."""
+    functions on the same buffers). `layers`: per layer (norm1, norm2, qkv, o, router, q_norm, k_norm), the
+    norms bf16 [hidden] weights, the projections fiddler.kernels.PackedLinear (router without a bias; None for
+    a dense layer, whose logits are then None), q_norm and k_norm bf16 [head_dim] for Qwen3's per-head q/k
+    RMSNorms after the projection (both None: none); validated here once, with the DecodeAttention that
+    holds the cache and rope tables.
+
+    Quantized projections (fiddler.kernels.quant.QuantLinear, one format for all, no biases) with fp32 norm
+    weights take fk_decode_attn_block_q: the model's fp32 activations (rms_norm_f32 into q/k/v, h2 fp32), the
+    router (None in every layer: an fp32 one stays the caller's) not in the call, logits None."""
 
     def __init__(self, attention: DecodeAttention, layers: list[tuple], eps: float):
         _need()
@@ -223,39 +256,59 @@ class DecodeBlock:
         a = attention
         self.attention, self.eps = a, float(eps)
         self.hidden = layers[0][3].out_features
-        routers = [r for *_, r in layers if r is not None]
+        fmts = {getattr(lin, "fmt", None) for _, _, qkv, o, r, *_ in layers for lin in (qkv, o, r) if lin is not None}
+        if len(fmts) != 1:
+            raise ValueError(f"one weight format for every projection, got {sorted(map(str, fmts))}")
+        self.fmt = fmts.pop()  # None: bf16 PackedLinear; else a QuantLinear's format
+        if self.fmt is not None and any(r is not None for *_, r, _, _ in layers):
+            raise ValueError("quantized projections: the router is the caller's (an fp32 one), not the block's")
+        norm_dtype = _BF16 if self.fmt is None else torch.float32
+        routers = [r for *_, r, _, _ in layers if r is not None]
         self.experts = routers[0].out_features if routers else 1
         H, W = self.hidden, a.width
         self._layers = []
-        for i, (n1, n2, qkv, o, router) in enumerate(layers):
+        for i, (n1, n2, qkv, o, router, qn, kn) in enumerate(layers):
             for name, w in (("norm1", n1), ("norm2", n2)):
-                _check_bf16(f"layer {i} {name}", w, 1)
+                _check_bf16(f"layer {i} {name}", w, 1, norm_dtype)
                 if w.shape[0] != H:
                     raise ValueError(f"layer {i} {name} must be [{H}], got {tuple(w.shape)}")
+            if (qn is None) != (kn is None):
+                raise ValueError(f"layer {i}: q_norm and k_norm come together")
+            for name, w in (("q_norm", qn), ("k_norm", kn)):
+                if w is not None:
+                    _check_bf16(f"layer {i} {name}", w, 1)
+                    if w.shape[0] != a.d:
+                        raise ValueError(f"layer {i} {name} must be [{a.d}] (per head), got {tuple(w.shape)}")
             for name, lin, n, k in (("qkv", qkv, W, H), ("o", o, H, a.nh * a.d), ("router", router, self.experts, H)):
                 if lin is not None and (lin.out_features, lin.in_features) != (n, k):
                     raise ValueError(f"layer {i} {name} must be [{n}, {k}], got [{lin.out_features}, {lin.in_features}]")
             if router is not None and router.bias is not None:
                 raise ValueError("a router with a bias is not what the block computes")
+            if self.fmt is not None and (qkv.bias is not None or o.bias is not None):
+                raise ValueError("quantized projections with a bias are not what the block computes")
             bias = [lin.bias.data_ptr() if lin.bias is not None else None for lin in (qkv, o)]
             # the buffers stay alive with the model's Linears and norms; only their addresses are kept
             self._layers.append((n1.data_ptr(), n2.data_ptr(), qkv._w.data_ptr(), bias[0], o._w.data_ptr(), bias[1],
                                  router._w.data_ptr() if router is not None else None,
-                                 self.experts if router is not None else 0))
+                                 self.experts if router is not None else 0,
+                                 qn.data_ptr() if qn is not None else None, kn.data_ptr() if kn is not None else None))
         self._bufs: dict[int, tuple] = {}
 
     def _buffers(self, B: int) -> tuple:
-        """This block's own scratch and outputs for B rows (reused every call: valid until the next)."""
+        """This block's own scratch and outputs for B rows (reused every call: valid until the next): h, qkv,
+        att, o, x_out, h2, logits (h and h2 fp32 for quantized projections)."""
         b = self._bufs.get(B)
         if b is None:
             a, H = self.attention, self.hidden
-            shapes = ((B, H), (B, a.width), (B, a.nh * a.d), (B, H), (B, H), (B, H), (B, self.experts))
-            t = [torch.empty(s, dtype=_BF16) for s in shapes]
+            act = _BF16 if self.fmt is None else torch.float32
+            shapes = (((B, H), act), ((B, a.width), _BF16), ((B, a.nh * a.d), _BF16), ((B, H), _BF16),
+                      ((B, H), _BF16), ((B, H), act), ((B, self.experts), _BF16))
+            t = [torch.empty(s, dtype=dt) for s, dt in shapes]
             b = self._bufs[B] = (t, [x.data_ptr() for x in t])
         return b
 
     def __call__(self, layer: int, x: torch.Tensor, pos, rows, threads: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [B, hidden] bf16 contiguous; pos, rows: ctypes int64 arrays [B] (positions; distinct cache rows,
         as the model's segments are). Returns (x_out, h2, logits) in buffers the next call reuses."""
         a, B = self.attention, x.shape[0]
@@ -264,8 +317,13 @@ class DecodeBlock:
             raise ValueError(f"x must be a contiguous CPU bf16 [1..{a.max_batch}, {self.hidden}], got "
                              f"{x.dtype} {tuple(x.shape)}")
         (_, _, _, _, x_out, h2, logits), (h, qkv, att, o, px, ph2, pl) = self._buffers(B)
-        n1, n2, wqkv, bqkv, wo, bo, wr, experts = self._layers[layer]
-        _check(_block(x.data_ptr(), B, self.hidden, n1, n2, self.eps, wqkv, bqkv, wo, bo, wr, experts, a.nh,
+        n1, n2, wqkv, bqkv, wo, bo, wr, experts, qn, kn = self._layers[layer]
+        if self.fmt is not None:
+            _check(_block_q(QUANT_FORMATS[self.fmt], x.data_ptr(), B, self.hidden, n1, n2, self.eps, wqkv, qn, kn, wo, a.nh,
+                            a.nkv, a.d, pos, rows, a._cos, a._sin, a._k[layer], a._v[layer], a.max_batch,
+                            a.max_seq, a.window, a.scale, h, qkv, att, o, px, ph2, threads))
+            return x_out, h2, None
+        _check(_block(x.data_ptr(), B, self.hidden, n1, n2, self.eps, wqkv, bqkv, qn, kn, wo, bo, wr, experts, a.nh,
                       a.nkv, a.d, pos, rows, a._cos, a._sin, a._k[layer], a._v[layer], a.max_batch, a.max_seq,
                       a.window, a.scale, h, qkv, att, o, px, ph2, pl, threads))
         return x_out, h2, logits if experts else None

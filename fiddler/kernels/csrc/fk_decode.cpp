@@ -12,6 +12,7 @@
 
 #include "fk_api.h"
 #include "fk_internal.h"
+#include "fk_quant.h"
 
 namespace fk {
 namespace decode {
@@ -56,6 +57,28 @@ struct NormRows {
   int isa;
 };
 
+struct NormRowsF32 {
+  const uint16_t* x;
+  const float* w;
+  int64_t n;
+  float eps;
+  float* out;
+  int isa;
+};
+
+void norm_rows_f32(const void* c, int64_t r0, int64_t r1) {
+  const NormRowsF32& a = *static_cast<const NormRowsF32*>(c);
+  std::vector<float>& h = g_scratch;  // per thread
+  if (int64_t(h.size()) < 2 * a.n) h.resize(size_t(2 * a.n));
+  switch (a.isa) {
+#if defined(__x86_64__)
+    case fk::kIsaAvx512: return avx512::rmsnorm_rows_f32(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+    case fk::kIsaAvx2: return avx2::rmsnorm_rows_f32(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+#endif
+    default: return generic::rmsnorm_rows_f32(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+  }
+}
+
 void norm_rows(const void* c, int64_t r0, int64_t r1) {
   const NormRows& a = *static_cast<const NormRows*>(c);
   std::vector<float>& h = g_scratch;  // per thread
@@ -81,6 +104,17 @@ FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, i
   if (!x || !w || !out) return fail("rmsnorm: null pointer");
   const NormRows ctx{x, w, n, eps, out, fk::current_isa()};
   fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows, &ctx);
+  return 0;
+}
+
+// out[r] = fp32(h * 1/sqrt(mean(h^2) + eps)) * w, h = float(x[r]), w fp32: fiddler.model.rms_norm_f32 (torch's
+// F.rms_norm of x.float() with an fp32 weight), bit-exact, the mean and 1/sqrt as fk_rmsnorm_bf16's; the input
+// of the quantized projections. x bf16 [rows, n], out fp32 [rows, n]; rows split over threads as there.
+FK_API int fk_rmsnorm_f32(const uint16_t* x, const float* w, int64_t rows, int64_t n, float eps, float* out) {
+  if (rows < 0 || n < 1) return fail("rmsnorm_f32: rows must be >= 0 and n >= 1");
+  if (!x || !w || !out) return fail("rmsnorm_f32: null pointer");
+  const NormRowsF32 ctx{x, w, n, eps, out, fk::current_isa()};
+  fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows_f32, &ctx);
   return 0;
 }
 
@@ -186,9 +220,29 @@ FK_API int fk_rope_attn_decode_rows_bf16(const uint16_t* qkv, int64_t B, int64_t
                         scale, out);
 }
 
+namespace {
+// Qwen3's per-head q and k RMSNorms on the projection's output, in place (null norms: none): row b's nh query
+// heads and nkv key heads are rows of head_dim, normalised by fk_rmsnorm_bf16, i.e. bit-exact with
+// fiddler.model's _qk_norm_clip (rms_norm over each head).
+int head_norms(uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int64_t d, const uint16_t* q_norm,
+               const uint16_t* k_norm, float eps) {
+  if (!q_norm && !k_norm) return 0;
+  if (!q_norm || !k_norm) return fail("decode_attn_block: q_norm and k_norm come together");
+  const int64_t width = (nh + 2 * nkv) * d;
+  for (int64_t b = 0; b < B; ++b) {
+    uint16_t* q = qkv + b * width;
+    int rc = fk_rmsnorm_bf16(q, q_norm, nh, d, eps, q);
+    if (rc == 0) rc = fk_rmsnorm_bf16(q + nh * d, k_norm, nkv, d, eps, q + nh * d);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+}  // namespace
+
 // The attention half of one decoder layer's decode step for B rows (row b: position pos[b], cache row
 // rows[b]), and the MoE half's inputs, in one call instead of seven (fiddler.model's fused decode
-// layer): h = rms_norm(x, norm1); qkv = h @ Wqkv^T (+ bias); att = rope + cache write + attention;
+// layer): h = rms_norm(x, norm1); qkv = h @ Wqkv^T (+ bias), then Qwen3's per-head q/k norms where q_norm and
+// k_norm [head_dim] are given (else null); att = rope + cache write + attention;
 // o = att @ Wo^T (+ bias); x_out = bf16(x + o); h2 = rms_norm(x_out, norm2); logits = h2 @ Wrouter^T.
 // Each step is the very function its own entry point runs (fk_rmsnorm_bf16, fk_linear,
 // fk_rope_attn_decode_rows_bf16) on the same buffers, and the residual add rounds fp32(x + o) to bf16 as
@@ -196,7 +250,7 @@ FK_API int fk_rope_attn_decode_rows_bf16(const uint16_t* qkv, int64_t B, int64_t
 // Packed weights as fk_linear takes them (qkv: [(nh + 2 nkv) d, hidden], o: [hidden, nh d], router:
 // [n_experts, hidden]; null with n_experts 0 for a dense layer: no logits); biases fp32 or null. Scratch h [B, hidden], qkv [B, (nh + 2 nkv) d], att and o;
 // outputs x_out [B, hidden] (not aliasing x), h2 [B, hidden], logits [B, n_experts] bf16.
-FK_API int fk_decode_attn_block_bf16(const uint16_t* x, int64_t B, int64_t hidden, const uint16_t* norm1, const uint16_t* norm2, float eps, const void* qkv_w, const float* qkv_bias, const void* o_w, const float* o_bias, const void* router_w, int64_t n_experts, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos, const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, uint16_t* h, uint16_t* qkv, uint16_t* att, uint16_t* o, uint16_t* x_out, uint16_t* h2, uint16_t* logits, int threads) {
+FK_API int fk_decode_attn_block_bf16(const uint16_t* x, int64_t B, int64_t hidden, const uint16_t* norm1, const uint16_t* norm2, float eps, const void* qkv_w, const float* qkv_bias, const uint16_t* q_norm, const uint16_t* k_norm, const void* o_w, const float* o_bias, const void* router_w, int64_t n_experts, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos, const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, uint16_t* h, uint16_t* qkv, uint16_t* att, uint16_t* o, uint16_t* x_out, uint16_t* h2, uint16_t* logits, int threads) {
   if (!x || !x_out || !h2 || !h || !o || !att || !qkv || !qkv_w || !o_w || !norm1 || !norm2 ||
       (n_experts > 0 && (!router_w || !logits)))
     return fail("decode_attn_block: null pointer");
@@ -205,6 +259,7 @@ FK_API int fk_decode_attn_block_bf16(const uint16_t* x, int64_t B, int64_t hidde
   const int64_t width = (nh + 2 * nkv) * d;
   int rc = fk_rmsnorm_bf16(x, norm1, B, hidden, eps, h);
   if (rc == 0) rc = fk::linear(qkv_w, width, hidden, h, B, qkv_bias, qkv, false, threads);
+  if (rc == 0) rc = head_norms(qkv, B, nh, nkv, d, q_norm, k_norm, eps);
   if (rc == 0)
     rc = rope_attn_rows(qkv, B, nh, nkv, d, pos, rows, cos, sin, kcache, vcache, max_batch, max_seq, window, scale, att);
   if (rc == 0) rc = fk::linear(o_w, hidden, nh * d, att, B, o_bias, o, false, threads);
@@ -213,6 +268,29 @@ FK_API int fk_decode_attn_block_bf16(const uint16_t* x, int64_t B, int64_t hidde
   rc = fk_rmsnorm_bf16(x_out, norm2, B, hidden, eps, h2);
   if (rc == 0 && n_experts > 0) rc = fk::linear(router_w, n_experts, hidden, h2, B, nullptr, logits, false, threads);
   return rc;
+}
+
+// fk_decode_attn_block_bf16 for quantized projections (fmt: 0 = Q8_0, 1 = Q4_0, as fk_qlinear), the model's
+// llama.cpp-like fp32 activations (MoETransformer.fp32_quant_acts): h = rms_norm_f32(x, norm1) (fp32);
+// qkv = fk_qlinear(qkv_w, h fp32) (+ the per-head q/k norms, bf16, as there); att = rope + cache write + attention; o = fk_qlinear(o_w, att bf16);
+// x_out = bf16(x + o); h2 = rms_norm_f32(x_out, norm2) (fp32, the router's and the experts' input). Each step
+// is the very function its own entry point runs, on the same buffers, so every output is bit-identical to
+// those calls made one by one. The fp32 router stays with the caller. No biases (quantized attention has none).
+FK_API int fk_decode_attn_block_q(int fmt, const uint16_t* x, int64_t B, int64_t hidden, const float* norm1, const float* norm2, float eps, const void* qkv_w, const uint16_t* q_norm, const uint16_t* k_norm, const void* o_w, int64_t nh, int64_t nkv, int64_t d, const int64_t* pos, const int64_t* rows, const uint16_t* cos, const uint16_t* sin, uint16_t* kcache, uint16_t* vcache, int64_t max_batch, int64_t max_seq, int64_t window, float scale, float* h, uint16_t* qkv, uint16_t* att, uint16_t* o, uint16_t* x_out, float* h2, int threads) {
+  if (!x || !x_out || !h2 || !h || !o || !att || !qkv || !qkv_w || !o_w || !norm1 || !norm2)
+    return fail("decode_attn_block_q: null pointer");
+  if (x_out == x) return fail("decode_attn_block_q: x_out must not alias x");
+  if (B < 1 || hidden < 1) return fail("decode_attn_block_q: need B, hidden >= 1");
+  const int64_t width = (nh + 2 * nkv) * d;
+  int rc = fk_rmsnorm_f32(x, norm1, B, hidden, eps, h);
+  if (rc == 0) rc = fk::qlinear(fmt, qkv_w, width, hidden, h, true, B, nullptr, qkv, false, threads);
+  if (rc == 0) rc = head_norms(qkv, B, nh, nkv, d, q_norm, k_norm, eps);
+  if (rc == 0)
+    rc = rope_attn_rows(qkv, B, nh, nkv, d, pos, rows, cos, sin, kcache, vcache, max_batch, max_seq, window, scale, att);
+  if (rc == 0) rc = fk::qlinear(fmt, o_w, hidden, nh * d, att, false, B, nullptr, o, false, threads);
+  if (rc != 0) return rc;
+  for (int64_t i = 0; i < B * hidden; ++i) x_out[i] = generic::st(generic::ld(x[i]) + generic::ld(o[i]));
+  return fk_rmsnorm_f32(x_out, norm2, B, hidden, eps, h2);
 }
 
 // y = bf16(residual + moe) with moe = fk_moe_ffn(...) of the same arguments: the executor's decode row and

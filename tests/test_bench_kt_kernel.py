@@ -1,11 +1,14 @@
 """scripts/bench_kt_kernel.py: kTransformers' kernel beside ours. kt-kernel lives in its own virtual
 environment (see the script), so here only what runs without it: the refusal, with the reason, where it
-does not import, and the comparison's arithmetic."""
+does not import or cannot run a format, and the comparison's arithmetic."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -22,17 +25,90 @@ def load():
     return mod
 
 
-def test_without_kt_kernel_it_says_why_and_measures_nothing():
-    if importlib.util.find_spec("kt_kernel") is not None:
-        pytest.skip("kt-kernel is importable here")
+def kernels():
     import fiddler.kernels as fk
 
     if not fk.is_available():
         pytest.skip(f"kernel library not available: {fk.load_error()}")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--hidden", "64", "--ffn", "128", "--copies", "2", "--tokens", "1",
-                        "--rounds", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return fk
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_without_kt_kernel_it_says_why_and_measures_nothing(fmt):
+    if importlib.util.find_spec("kt_kernel") is not None:
+        pytest.skip("kt-kernel is importable here")
+    kernels()
+    r = subprocess.run([sys.executable, str(SCRIPT), "--format", fmt, "--hidden", "64", "--ffn", "128", "--copies", "2",
+                        "--tokens", "1", "--rounds", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "kt-kernel does not import here: ModuleNotFoundError" in r.stderr
     assert "tokens" not in r.stdout  # no row was measured
+
+
+def test_a_format_kt_cannot_run_is_skipped_with_its_reason(tmp_path, monkeypatch, capsys):
+    kernels()
+    mod = load()
+    monkeypatch.setitem(sys.modules, "kt_kernel", types.SimpleNamespace(__cpu_variant__="avx2", __version__="0.7.2"))
+    monkeypatch.setattr(mod, "probe_kt", lambda fmt, threads: "died of SIGILL running a tiny expert: no message")
+    out = tmp_path / "r.json"
+    assert mod.main(["--format", "int8", "--threads", "1", "--json", str(out)]) == 3
+    err = capsys.readouterr()
+    assert "skipped: kt-kernel 0.7.2 (avx2 build) cannot run int8 (AMXInt8_MOE) here: died of SIGILL" in err.err
+    assert "tokens" not in err.out
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == [] and "died of SIGILL" in saved["skipped"] and saved["kt_class"] == "AMXInt8_MOE"
+    assert saved["fiddler_kernel"] == "QuantExpert q8_0"
+
+
+def test_a_build_without_the_operator_names_it():
+    mod = load()
+    build = types.SimpleNamespace(AMXBF16_MOE=object(), AMXInt8_MOE=None)  # kt's utils/amx.py: None when not compiled
+    assert mod.missing_operator(build, "bf16", "avx2") is None
+    assert mod.missing_operator(build, "int8", "avx2") == "kt-kernel's avx2 build has no AMXInt8_MOE (its int8 operator)"
+    assert "AMXInt4_MOE" in mod.missing_operator(build, "int4", "avx2")  # absent altogether
+
+
+def test_the_probe_says_how_the_child_failed():
+    mod = load()
+    assert mod.probe_failure(0, "anything") is None
+    assert mod.probe_failure(-int(signal.SIGILL), "").startswith("died of SIGILL running a tiny expert: no message")
+    why = mod.probe_failure(1, "Traceback ...\nRuntimeError: max_m and k must be multiple of M_STEP\n")
+    assert why == "failed (exit 1) running a tiny expert: RuntimeError: max_m and k must be multiple of M_STEP"
+
+
+def test_kt_bytes_are_one_experts_files(tmp_path):
+    mod = load()
+    d = tmp_path / "_layer_0" / "_numa_0"
+    d.mkdir(parents=True)
+    sizes = {"INT8_gate_0_300Byte_quant_.kt": 300, "INT8_gate_0_8Byte_scale_.kt": 8, "INT8_up_0_300Byte_quant_.kt": 300,
+             "INT8_down_0_310Byte_quant_.kt": 310, "INT8_gate_1_300Byte_quant_.kt": 300,
+             "INT8_up_10_777Byte_quant_.kt": 777}  # expert 10 is not expert 1
+    for name, size in sizes.items():
+        (d / name).write_bytes(b"\0" * size)
+    assert mod.kt_expert_bytes(str(tmp_path)) == 300 + 8 + 300 + 310
+    assert mod.kt_expert_bytes(str(tmp_path), expert=1) == 300
+    assert mod.kt_expert_bytes(str(tmp_path), expert=2) == 0
+
+
+def test_errors_above_the_formats_bound_are_named():
+    mod = load()
+    assert mod.error_problems({"fiddler": 0.01, "kt": 0.02}, 0.05) == []
+    assert mod.error_problems({"fiddler": 0.01, "kt": 0.9}, 0.6) == ["kt 0.9 > 0.6"]
+    assert mod.error_problems({"fiddler": float("nan"), "kt": 0.0}, 0.6) == ["fiddler nan > 0.6"]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_fiddlers_side_is_within_the_formats_bound_and_a_misread_layout_is_not(fmt):
+    """The bound must pass each format's own rounding and catch a side that computes the wrong expert."""
+    kernels()
+    mod = load()
+    w1, w3, w2 = mod.random_experts(2, 256, 512)
+    ours = mod.fiddler_experts(fmt, w1, w3, w2)
+    assert type(ours[0]).__name__ == ("PackedExpert" if fmt == "bf16" else "QuantExpert")
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = mod.torch_expert(mod.ExpertWeights(w1[0], w3[0], w2[0]), x)
+    bound = mod.FORMATS[fmt].max_err
+    assert mod.rel_err(ours[0].forward(x, threads=1), ref) < bound
+    assert mod.rel_err(ours[1].forward(x, threads=1), ref) > bound  # another expert's weights
 
 
 def test_relative_error_is_against_the_reference_scale():

@@ -53,13 +53,15 @@ TOKENS = (1, 4, 16, 64, 256, 512)
 
 class Format(NamedTuple):
     quant: str | None  # Fiddler's: None (bf16 PackedExpert) or its quant format (QuantExpert)
-    kt_class: str      # kt_kernel_ext.moe's operator
+    kt_classes: tuple  # kt_kernel_ext.moe's operators for it, the first one the loaded build has runs
     max_err: float     # bound on the error against torch's bf16 expert: well above each side's rounding
                        # (bf16 ~5e-3, 8-bit ~3e-2, 4-bit ~0.3 on random weights), below a misread layout's (~1)
 
 
-FORMATS = {"bf16": Format(None, "AMXBF16_MOE", 0.05), "int8": Format("q8_0", "AMXInt8_MOE", 0.15),
-           "int4": Format("q4_0", "AMXInt4_MOE", 0.6)}
+# kt's avx512_* and amx builds have the AMX* classes (AVX-512 code where the CPU has no AMX); its avx2 build has
+# only AVX2BF16_MOE of these (and int4 classes for GPTQ / raw checkpoints, not quantized from bf16)
+FORMATS = {"bf16": Format(None, ("AMXBF16_MOE", "AVX2BF16_MOE"), 0.05),
+           "int8": Format("q8_0", ("AMXInt8_MOE",), 0.15), "int4": Format("q4_0", ("AMXInt4_MOE",), 0.6)}
 
 
 def cpu_name() -> str:
@@ -74,11 +76,15 @@ def cpu_name() -> str:
     return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
 
 
+def kt_operator(moe_module, fmt: str) -> str | None:
+    """The name of the operator that runs `fmt` in this kt-kernel build (None: it has none)."""
+    return next((name for name in FORMATS[fmt].kt_classes if getattr(moe_module, name, None) is not None), None)
+
+
 def missing_operator(moe_module, fmt: str, variant: str) -> str | None:
     """Why kt-kernel's `variant` build has no operator for `fmt` (None: it has one)."""
-    name = FORMATS[fmt].kt_class
-    if getattr(moe_module, name, None) is None:
-        return f"kt-kernel's {variant} build has no {name} (its {fmt} operator)"
+    if kt_operator(moe_module, fmt) is None:
+        return f"its {variant} build has no {' or '.join(FORMATS[fmt].kt_classes)}"
     return None
 
 
@@ -125,9 +131,9 @@ class KtExperts:
         from kt_kernel_ext import CPUInfer, WorkerPoolConfig
 
         self.variant = kt_kernel.__cpu_variant__
-        why = missing_operator(moe_mod, fmt, self.variant)
-        if why:
-            raise RuntimeError(why)
+        self.kt_class = kt_operator(moe_mod, fmt)
+        if self.kt_class is None:
+            raise RuntimeError(missing_operator(moe_mod, fmt, self.variant))
         n, ffn, hidden = w1.shape
         cfg = WorkerPoolConfig()
         cfg.subpool_count, cfg.subpool_numa_map, cfg.subpool_thread_count = 1, [0], [threads]
@@ -144,7 +150,7 @@ class KtExperts:
         else:  # quantized online from the stacked bf16 experts and saved under the weight path (as KTMoEWrapper's
             mc.save, mc.load, mc.path = True, False, workdir  # load_weights_from_tensors does)
             mc.gate_proj, mc.up_proj, mc.down_proj = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
-        self.moe = getattr(moe_mod, FORMATS[fmt].kt_class)(mc)
+        self.moe = getattr(moe_mod, self.kt_class)(mc)
         self._ids_map = torch.arange(n, dtype=torch.long)
         self.infer.submit(self.moe.load_weights_task(self._ids_map.data_ptr()))
         self.infer.sync()
@@ -234,6 +240,7 @@ def main(argv=None) -> int:
     threads = args.threads or fk.get_num_threads()
     try:
         import kt_kernel
+        import kt_kernel_ext.moe as kt_moe  # kt_kernel registers it
     except Exception as e:  # not installed, or its extension does not load here: say why, measure nothing
         print(f"bench_kt_kernel: kt-kernel does not import here: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -244,12 +251,11 @@ def main(argv=None) -> int:
             "fiddler_path": fk.features()["isa"] if spec.quant is None else fk.quant.path(1, spec.quant),
             "fiddler_kernel": "PackedExpert" if spec.quant is None else f"QuantExpert {spec.quant}",
             "kt_version": getattr(kt_kernel, "__version__", "?"), "kt_variant": kt_kernel.__cpu_variant__,
-            "kt_class": spec.kt_class, "hidden": args.hidden, "ffn": args.ffn, "copies": args.copies,
-            "rounds": args.rounds}
-    why = probe_kt(fmt, kt_threads)
+            "kt_class": kt_operator(kt_moe, fmt) or " or ".join(spec.kt_classes), "hidden": args.hidden,
+            "ffn": args.ffn, "copies": args.copies, "rounds": args.rounds}
+    why = missing_operator(kt_moe, fmt, meta["kt_variant"]) or probe_kt(fmt, kt_threads)  # the probe: a child
     if why:
-        why = (f"kt-kernel {meta['kt_version']} ({meta['kt_variant']} build) cannot run {fmt} ({spec.kt_class}) "
-               f"here: {why}")
+        why = f"kt-kernel {meta['kt_version']} ({meta['kt_variant']} build) cannot run {fmt} here: {why}"
         print(f"bench_kt_kernel: skipped: {why}", file=sys.stderr)
         if args.json:
             with open(args.json, "w") as fh:
@@ -293,7 +299,8 @@ def main(argv=None) -> int:
               f"max rel err vs torch: fiddler {errs['fiddler']:.1e}, kt {errs['kt']:.1e}", flush=True)
     print(f"{fmt} on {meta['cpu']}, threads: fiddler {threads}, kt {kt_threads}; fiddler {meta['fiddler_kernel']} "
           f"on {meta['fiddler_path']} ({ours[0].nbytes / 1e6:.0f} MB an expert), kt-kernel {meta['kt_version']} "
-          f"{meta['kt_variant']} {meta['kt_class']} ({kt.nbytes / 1e6:.0f} MB); best of {args.rounds} interleaved rounds")
+          f"{meta['kt_variant']} {meta['kt_class']} ({kt.nbytes / 1e6:.0f} MB); best of {args.rounds} interleaved "
+          "rounds")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**meta, "rows": rows}, fh, indent=1)

@@ -48,23 +48,40 @@ def test_a_format_kt_cannot_run_is_skipped_with_its_reason(tmp_path, monkeypatch
     kernels()
     mod = load()
     monkeypatch.setitem(sys.modules, "kt_kernel", types.SimpleNamespace(__cpu_variant__="avx2", __version__="0.7.2"))
-    monkeypatch.setattr(mod, "probe_kt", lambda fmt, threads: "died of SIGILL running a tiny expert: no message")
+    build = types.SimpleNamespace(AVX2BF16_MOE=object(), AMXInt8_MOE=object())  # kt_kernel_ext.moe of a build
+    monkeypatch.setitem(sys.modules, "kt_kernel_ext", types.SimpleNamespace(moe=build))
+    monkeypatch.setitem(sys.modules, "kt_kernel_ext.moe", build)
+    probed = []
+
+    def probe(fmt, threads):
+        probed.append(fmt)
+        return "died of SIGILL running a tiny expert: no message"
+
+    monkeypatch.setattr(mod, "probe_kt", probe)
     out = tmp_path / "r.json"
-    assert mod.main(["--format", "int8", "--threads", "1", "--json", str(out)]) == 3
+    assert mod.main(["--format", "int8", "--threads", "1", "--json", str(out)]) == 3  # present, but dies in the child
     err = capsys.readouterr()
-    assert "skipped: kt-kernel 0.7.2 (avx2 build) cannot run int8 (AMXInt8_MOE) here: died of SIGILL" in err.err
+    assert "skipped: kt-kernel 0.7.2 (avx2 build) cannot run int8 here: died of SIGILL" in err.err
     assert "tokens" not in err.out
     saved = json.loads(out.read_text())
     assert saved["rows"] == [] and "died of SIGILL" in saved["skipped"] and saved["kt_class"] == "AMXInt8_MOE"
     assert saved["fiddler_kernel"] == "QuantExpert q8_0"
+    assert mod.main(["--format", "int4", "--threads", "1"]) == 3  # absent: said without a child
+    assert "cannot run int4 here: its avx2 build has no AMXInt4_MOE" in capsys.readouterr().err
+    assert probed == ["int8"]
 
 
-def test_a_build_without_the_operator_names_it():
+def test_the_operator_is_the_first_the_build_has_and_a_build_without_one_names_them():
     mod = load()
-    build = types.SimpleNamespace(AMXBF16_MOE=object(), AMXInt8_MOE=None)  # kt's utils/amx.py: None when not compiled
-    assert mod.missing_operator(build, "bf16", "avx2") is None
-    assert mod.missing_operator(build, "int8", "avx2") == "kt-kernel's avx2 build has no AMXInt8_MOE (its int8 operator)"
-    assert "AMXInt4_MOE" in mod.missing_operator(build, "int4", "avx2")  # absent altogether
+    avx512 = types.SimpleNamespace(AMXBF16_MOE=object(), AVX2BF16_MOE=object(), AMXInt8_MOE=None)  # None: not compiled
+    avx2 = types.SimpleNamespace(AVX2BF16_MOE=object())  # kt-kernel 0.7.2's avx2 build: no AMX* classes
+    assert mod.kt_operator(avx512, "bf16") == "AMXBF16_MOE" and mod.kt_operator(avx2, "bf16") == "AVX2BF16_MOE"
+    assert mod.missing_operator(avx512, "bf16", "avx512_bf16") is None
+    assert mod.kt_operator(avx512, "int8") is None
+    assert mod.missing_operator(avx512, "int8", "avx512_bf16") == "its avx512_bf16 build has no AMXInt8_MOE"
+    assert mod.missing_operator(avx2, "int4", "avx2") == "its avx2 build has no AMXInt4_MOE"
+    none = types.SimpleNamespace()
+    assert mod.missing_operator(none, "bf16", "x") == "its x build has no AMXBF16_MOE or AVX2BF16_MOE"
 
 
 def test_the_probe_says_how_the_child_failed():

@@ -6,12 +6,16 @@ busy shared machine slows both alike). `--format` picks the weight format of bot
     bf16  Fiddler's `PackedExpert`                  kt-kernel's `AMXBF16_MOE`
     int8  Fiddler's Q8_0 `QuantExpert` (fiddler.quant) kt-kernel's `AMXInt8_MOE` (its method "AMXINT8")
     int4  Fiddler's Q4_0 `QuantExpert`               kt-kernel's `AMXInt4_MOE` (its method "AMXINT4")
+    q8_0  Fiddler's Q8_0 `QuantExpert`               kt-kernel's `MOE` (its method "LLAMAFILE") on the same blocks
+    q4_0  Fiddler's Q4_0 `QuantExpert`               kt-kernel's `MOE` on the same blocks
 
-The classes keep their AMX names in every build; on a CPU without AMX (the avx512_* builds) they run on
-AVX-512 (BF16 with vdpbf16ps, int8/int4 with VNNI). kt's int formats are quantized online from the same bf16
-weights (one scale per output row; Fiddler's Q8_0/Q4_0 keep one per 32 weights), written as files under a
-temporary weight path that goes when they are loaded; each side's GB/s counts its own bytes (kt's: the
-sizes of the files it wrote for one expert).
+The AMX* classes keep their names in kt's avx512_* builds, where they run on AVX-512 (BF16 with vdpbf16ps,
+int8/int4 with VNNI); its avx2 build has AVX2BF16_MOE for bf16 and no int8/int4 operator of these.
+kt's int formats are quantized online from the same bf16 weights (one scale per output row; Fiddler's
+Q8_0/Q4_0 keep one per 32 weights), written as files under a temporary weight path that goes when they are
+loaded; its llamafile operator (every build) reads GGUF blocks and is given Fiddler's own llama.cpp blocks,
+so for q8_0/q4_0 both sides read the same bytes. Each side's GB/s counts its own bytes (kt's int formats:
+the sizes of the files it wrote for one expert).
 
 Each side cycles through `--copies` copies of one expert (Mixtral-8x7B's 4096 x 14336 by default, 352 MB
 in bf16), so every call streams its weights from DRAM as an engine's experts do; kt-kernel gets the copies
@@ -25,7 +29,7 @@ project's CPU torch:
 
     python -m venv /tmp/ktvenv && /tmp/ktvenv/bin/pip install --no-deps kt-kernel==0.7.2
     echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/ktvenv/lib/python3.11/site-packages/project.pth
-    PYTHONPATH=$PWD /tmp/ktvenv/bin/python scripts/bench_kt_kernel.py [--format int8] [--json out.json]
+    PYTHONPATH=$PWD /tmp/ktvenv/bin/python scripts/bench_kt_kernel.py [--format q4_0] [--json out.json]
 
 Prints one row per token count: each side's best ms and GB/s, and fiddler / kt (kt's time over Fiddler's:
 above 1, Fiddler is faster). Exit 2: nothing to compare (Fiddler's kernel or kt-kernel does not load);
@@ -53,15 +57,20 @@ TOKENS = (1, 4, 16, 64, 256, 512)
 
 class Format(NamedTuple):
     quant: str | None  # Fiddler's: None (bf16 PackedExpert) or its quant format (QuantExpert)
+    kt_weights: str    # what kt is given: "bf16", "online" (bf16, it quantizes them) or "ggml" (Fiddler's blocks)
     kt_classes: tuple  # kt_kernel_ext.moe's operators for it, the first one the loaded build has runs
     max_err: float     # bound on the error against torch's bf16 expert: well above each side's rounding
                        # (bf16 ~5e-3, 8-bit ~3e-2, 4-bit ~0.3 on random weights), below a misread layout's (~1)
 
 
 # kt's avx512_* and amx builds have the AMX* classes (AVX-512 code where the CPU has no AMX); its avx2 build has
-# only AVX2BF16_MOE of these (and int4 classes for GPTQ / raw checkpoints, not quantized from bf16)
-FORMATS = {"bf16": Format(None, ("AMXBF16_MOE", "AVX2BF16_MOE"), 0.05),
-           "int8": Format("q8_0", ("AMXInt8_MOE",), 0.15), "int4": Format("q4_0", ("AMXInt4_MOE",), 0.6)}
+# only AVX2BF16_MOE of these (and int4 classes for GPTQ / raw checkpoints, not quantized from bf16). Its
+# llamafile operator (`MOE`, method "LLAMAFILE", in every build) reads GGUF blocks: given Fiddler's own
+# Q8_0 / Q4_0 blocks (bit for bit llama.cpp's), both sides read the same bytes.
+FORMATS = {"bf16": Format(None, "bf16", ("AMXBF16_MOE", "AVX2BF16_MOE"), 0.05),
+           "int8": Format("q8_0", "online", ("AMXInt8_MOE",), 0.15),
+           "int4": Format("q4_0", "online", ("AMXInt4_MOE",), 0.6),
+           "q8_0": Format("q8_0", "ggml", ("MOE",), 0.15), "q4_0": Format("q4_0", "ggml", ("MOE",), 0.6)}
 
 
 def cpu_name() -> str:
@@ -123,9 +132,10 @@ def error_problems(errs: dict[str, float], max_err: float) -> list[str]:
 
 class KtExperts:
     """kt-kernel's MoE operator for `fmt` over the experts w1, w3 [n, ffn, hidden], w2 [n, hidden, ffn] (bf16,
-    contiguous), all on the CPU. The int formats quantize online into files under `workdir`."""
+    contiguous), all on the CPU. The int formats quantize online into files under `workdir`; the GGML ones take
+    `blocks` (`ggml_blocks`)."""
 
-    def __init__(self, fmt: str, w1, w3, w2, threads: int, max_tokens: int, workdir: str):
+    def __init__(self, fmt: str, w1, w3, w2, threads: int, max_tokens: int, workdir: str, blocks=None):
         import kt_kernel  # noqa: F401 -- loads the extension variant for this CPU and registers kt_kernel_ext
         import kt_kernel_ext.moe as moe_mod
         from kt_kernel_ext import CPUInfer, WorkerPoolConfig
@@ -138,15 +148,23 @@ class KtExperts:
         cfg = WorkerPoolConfig()
         cfg.subpool_count, cfg.subpool_numa_map, cfg.subpool_thread_count = 1, [0], [threads]
         self.infer = CPUInfer(cfg)
-        self._keep = (w1, w3, w2)  # the operator reads these at load; kept alive in case it keeps pointers
+        self._keep = (w1, w3, w2, blocks)  # the operator reads these at load; kept alive in case it keeps pointers
         self._on_gpu = torch.zeros(n, dtype=torch.bool)  # every expert on the CPU
         mc = moe_mod.MOEConfig(n, 1, hidden, ffn, self._on_gpu.data_ptr())
         # its buffers hold max_len tokens, a multiple of its row step (the int formats refuse others; its wrapper
         # passes chunked_prefill_size, e.g. 512)
         mc.layer_idx, mc.pool, mc.max_len = 0, self.infer.backend_, -(-max_tokens // 64) * 64
-        if FORMATS[fmt].quant is None:  # bf16: used as they are, one pointer per expert
+        kind = FORMATS[fmt].kt_weights
+        if kind == "bf16":  # used as they are, one pointer per expert
             mc.gate_projs, mc.up_projs, mc.down_projs = ([[t[e].data_ptr() for e in range(n)]] for t in (w1, w3, w2))
             mc.gate_scales = mc.up_scales = mc.down_scales = [[0] * n]
+        elif kind == "ggml":  # GGUF blocks, as its LlamafileMoEWrapper sets them up from a GGUF file
+            from kt_kernel_ext.kvcache import ggml_type
+
+            mc.gate_proj, mc.up_proj, mc.down_proj = (b.data_ptr() for b in blocks)
+            mc.gate_type = mc.up_type = mc.down_type = getattr(ggml_type, FORMATS[fmt].quant.upper())
+            mc.hidden_type = ggml_type.BF16
+            mc.m_block, mc.group_min_len, mc.group_max_len = 32, 10, mc.max_len  # the wrapper's
         else:  # quantized online from the stacked bf16 experts and saved under the weight path (as KTMoEWrapper's
             mc.save, mc.load, mc.path = True, False, workdir  # load_weights_from_tensors does)
             mc.gate_proj, mc.up_proj, mc.down_proj = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
@@ -154,7 +172,12 @@ class KtExperts:
         self._ids_map = torch.arange(n, dtype=torch.long)
         self.infer.submit(self.moe.load_weights_task(self._ids_map.data_ptr()))
         self.infer.sync()
-        self.nbytes = 3 * hidden * ffn * w1.element_size() if FORMATS[fmt].quant is None else kt_expert_bytes(workdir)
+        if kind == "bf16":  # the bytes one expert's call reads
+            self.nbytes = 3 * hidden * ffn * w1.element_size()
+        elif kind == "ggml":
+            self.nbytes = sum(b[0].numel() for b in blocks)
+        else:
+            self.nbytes = kt_expert_bytes(workdir)
         self._args: dict = {}
 
     def forward(self, e: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -170,8 +193,16 @@ class KtExperts:
         return out
 
 
-def fiddler_experts(fmt: str, w1, w3, w2) -> list:
-    """Fiddler's packed copies of the experts, as the engine makes them at load."""
+def ggml_blocks(quant: str, w1, w3, w2) -> tuple:
+    """The experts' llama.cpp blocks (uint8 [n, rows, row bytes] each of w1, w3, w2), as the engine quantizes."""
+    from fiddler.quant import quantize_blocks
+
+    return tuple(torch.stack([quantize_blocks(t[e], quant) for e in range(t.shape[0])]) for t in (w1, w3, w2))
+
+
+def fiddler_experts(fmt: str, w1, w3, w2, blocks=None) -> list:
+    """Fiddler's packed copies of the experts, as the engine makes them at load (quantized: from `blocks`,
+    else ggml_blocks)."""
     import fiddler.kernels as fk
 
     quant = FORMATS[fmt].quant
@@ -179,11 +210,11 @@ def fiddler_experts(fmt: str, w1, w3, w2) -> list:
         ours = [fk.PackedExpert(w1[e], w3[e], w2[e]) for e in range(w1.shape[0])]
         fk.tune_blocking(ours)
         return ours
-    from fiddler.quant import pack_expert, quantize_blocks  # the engine's path: llama.cpp blocks, then packed
+    from fiddler.quant import pack_expert  # the engine's path: llama.cpp blocks, then packed
 
+    b1, b3, b2 = blocks if blocks is not None else ggml_blocks(quant, w1, w3, w2)
     ffn, hidden = w1.shape[1:]
-    return [pack_expert(ExpertWeights(*(quantize_blocks(t[e], quant) for t in (w1, w3, w2))), quant, hidden, ffn)
-            for e in range(w1.shape[0])]
+    return [pack_expert(ExpertWeights(b1[e], b3[e], b2[e]), quant, hidden, ffn) for e in range(w1.shape[0])]
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -208,11 +239,13 @@ def random_experts(n: int, hidden: int, ffn: int, seed: int = 0):
 
 
 def run_probe(fmt: str, threads: int) -> int:
-    w = random_experts(1, 256, 512)
+    h, f = 256, 512  # ffn: a multiple of 256 (the llamafile operator's super-block)
+    w = random_experts(1, h, f)
+    blocks = ggml_blocks(FORMATS[fmt].quant, *w) if FORMATS[fmt].kt_weights == "ggml" else None
     with tempfile.TemporaryDirectory(prefix="kt_probe_") as d:
-        kt = KtExperts(fmt, *w, threads, 1, d)
-        x = torch.randn(1, 256).to(torch.bfloat16)
-        kt.forward(0, x, torch.empty(1, 256, dtype=torch.bfloat16))
+        kt = KtExperts(fmt, *w, threads, 1, d, blocks)
+        x = torch.randn(1, h).to(torch.bfloat16)
+        kt.forward(0, x, torch.empty(1, h, dtype=torch.bfloat16))
     return 0
 
 
@@ -263,9 +296,11 @@ def main(argv=None) -> int:
         return 3
     h, f, n = args.hidden, args.ffn, args.copies
     w1, w3, w2 = random_experts(n, h, f)
-    ours = fiddler_experts(fmt, w1, w3, w2)
+    blocks = ggml_blocks(spec.quant, w1, w3, w2) if spec.quant else None  # Fiddler's, and kt's for q8_0/q4_0
+    ours = fiddler_experts(fmt, w1, w3, w2, blocks)
     with tempfile.TemporaryDirectory(prefix="kt_weights_") as workdir:  # kt's quantized files: read at load
-        kt = KtExperts(fmt, w1, w3, w2, kt_threads, max(args.tokens), workdir)
+        kt = KtExperts(fmt, w1, w3, w2, kt_threads, max(args.tokens), workdir,
+                       blocks if spec.kt_weights == "ggml" else None)
     meta.update(fiddler_bytes=ours[0].nbytes, kt_bytes=kt.nbytes)
     ref_w = ExpertWeights(w1[0], w3[0], w2[0])
     rows = []

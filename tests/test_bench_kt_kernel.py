@@ -113,7 +113,7 @@ def test_errors_above_the_formats_bound_are_named():
     assert mod.error_problems({"fiddler": float("nan"), "kt": 0.0}, 0.6) == ["fiddler nan > 0.6"]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "q8_0", "q4_0"])
 def test_fiddlers_side_is_within_the_formats_bound_and_a_misread_layout_is_not(fmt):
     """The bound must pass each format's own rounding and catch a side that computes the wrong expert."""
     kernels()
@@ -126,6 +126,21 @@ def test_fiddlers_side_is_within_the_formats_bound_and_a_misread_layout_is_not(f
     bound = mod.FORMATS[fmt].max_err
     assert mod.rel_err(ours[0].forward(x, threads=1), ref) < bound
     assert mod.rel_err(ours[1].forward(x, threads=1), ref) > bound  # another expert's weights
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_the_ggml_formats_give_kt_the_very_blocks_fiddler_packs(quant):
+    kernels()
+    mod = load()
+    assert mod.FORMATS[quant].quant == quant and mod.FORMATS[quant].kt_weights == "ggml"
+    w = mod.random_experts(2, 64, 256)
+    blocks = mod.ggml_blocks(quant, *w)
+    from fiddler.quant import row_bytes
+
+    assert [tuple(b.shape) for b in blocks] == [(2, 256, row_bytes(64, quant))] * 2 + [(2, 64, row_bytes(256, quant))]
+    ours = mod.fiddler_experts(quant, *w, blocks)
+    for e in range(2):
+        assert all(torch.equal(a, b[e]) for a, b in zip(ours[e].blocks(), blocks))
 
 
 def test_relative_error_is_against_the_reference_scale():

@@ -48,47 +48,35 @@ using namespace fk::decode;
 using fk::fail;  // the library's one error channel (fk_last_error)
 
 namespace {
+// The rows of one norm call: bf16 out with a bf16 weight (w, out), or fp32 out with an fp32 one (wf, outf).
 struct NormRows {
   const uint16_t* x;
   const uint16_t* w;
+  const float* wf;
   int64_t n;
   float eps;
   uint16_t* out;
+  float* outf;
   int isa;
 };
-
-struct NormRowsF32 {
-  const uint16_t* x;
-  const float* w;
-  int64_t n;
-  float eps;
-  float* out;
-  int isa;
-};
-
-void norm_rows_f32(const void* c, int64_t r0, int64_t r1) {
-  const NormRowsF32& a = *static_cast<const NormRowsF32*>(c);
-  std::vector<float>& h = g_scratch;  // per thread
-  if (int64_t(h.size()) < 2 * a.n) h.resize(size_t(2 * a.n));
-  switch (a.isa) {
-#if defined(__x86_64__)
-    case fk::kIsaAvx512: return avx512::rmsnorm_rows_f32(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
-    case fk::kIsaAvx2: return avx2::rmsnorm_rows_f32(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
-#endif
-    default: return generic::rmsnorm_rows_f32(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
-  }
-}
 
 void norm_rows(const void* c, int64_t r0, int64_t r1) {
   const NormRows& a = *static_cast<const NormRows*>(c);
-  std::vector<float>& h = g_scratch;  // per thread
-  if (int64_t(h.size()) < 2 * a.n) h.resize(size_t(2 * a.n));
+  std::vector<float>& s = g_scratch;  // per thread
+  if (int64_t(s.size()) < 2 * a.n) s.resize(size_t(2 * a.n));
+  float* h = s.data();
   switch (a.isa) {
 #if defined(__x86_64__)
-    case fk::kIsaAvx512: return avx512::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
-    case fk::kIsaAvx2: return avx2::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+    case fk::kIsaAvx512:
+      return a.outf ? avx512::rmsnorm_rows_f32(a.x, a.wf, a.n, a.eps, a.outf, r0, r1, h)
+                    : avx512::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h);
+    case fk::kIsaAvx2:
+      return a.outf ? avx2::rmsnorm_rows_f32(a.x, a.wf, a.n, a.eps, a.outf, r0, r1, h)
+                    : avx2::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h);
 #endif
-    default: return generic::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h.data());
+    default:
+      return a.outf ? generic::rmsnorm_rows_f32(a.x, a.wf, a.n, a.eps, a.outf, r0, r1, h)
+                    : generic::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h);
   }
 }
 }  // namespace
@@ -102,7 +90,7 @@ void norm_rows(const void* c, int64_t r0, int64_t r1) {
 FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t n, float eps, uint16_t* out) {
   if (rows < 0 || n < 1) return fail("rmsnorm: rows must be >= 0 and n >= 1");
   if (!x || !w || !out) return fail("rmsnorm: null pointer");
-  const NormRows ctx{x, w, n, eps, out, fk::current_isa()};
+  const NormRows ctx{x, w, nullptr, n, eps, out, nullptr, fk::current_isa()};
   fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows, &ctx);
   return 0;
 }
@@ -113,8 +101,8 @@ FK_API int fk_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, i
 FK_API int fk_rmsnorm_f32(const uint16_t* x, const float* w, int64_t rows, int64_t n, float eps, float* out) {
   if (rows < 0 || n < 1) return fail("rmsnorm_f32: rows must be >= 0 and n >= 1");
   if (!x || !w || !out) return fail("rmsnorm_f32: null pointer");
-  const NormRowsF32 ctx{x, w, n, eps, out, fk::current_isa()};
-  fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows_f32, &ctx);
+  const NormRows ctx{x, nullptr, w, n, eps, nullptr, out, fk::current_isa()};
+  fk::parallel_for(rows * n >= (int64_t(1) << 17) ? 0 : 1, rows, norm_rows, &ctx);
   return 0;
 }
 

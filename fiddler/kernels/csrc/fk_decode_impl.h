@@ -242,39 +242,31 @@ static float torch_sum(const float* x2, int64_t n) {
   return s;
 }
 
-// out[r] = fp32(h * inv) * w in fp32, inv as rmsnorm_rows computes it, h = float(x[r]), w fp32 [n]: torch's
-// F.rms_norm of x.float() with an fp32 weight (fiddler.model.rms_norm_f32, the quantized projections' input),
-// for rows [r0, r1) of [rows, n]; scratch: 2n floats. out may not alias x (fp32 out, bf16 in).
-static void rmsnorm_rows_f32(const uint16_t* x, const float* w, int64_t n, float eps, float* out, int64_t r0,
-                             int64_t r1, float* scratch) {
-  float* hf = scratch;
-  float* h2 = hf + n;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* xr = x + r * n;
-    for (int64_t i = 0; i < n; ++i) {
-      hf[i] = ld(xr[i]);
-      h2[i] = hf[i] * hf[i];
-    }
-    const float inv = 1.0f / std::sqrt(torch_sum(h2, n) / float(n) + eps);
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = (hf[i] * inv) * w[i];
+// A row's 1/sqrt(mean(h^2) + eps) as torch computes it, h = float(xr[i]) left in hf (h2: scratch), n floats each.
+static float rms_inv(const uint16_t* xr, int64_t n, float eps, float* hf, float* h2) {
+  for (int64_t i = 0; i < n; ++i) {
+    hf[i] = ld(xr[i]);
+    h2[i] = hf[i] * hf[i];
   }
+  return 1.0f / std::sqrt(torch_sum(h2, n) / float(n) + eps);
 }
 
 // out[r] = bf16(w * bf16(h * 1/sqrt(mean(h^2) + eps))), h = float(x[r]), for rows [r0, r1) of [rows, n]
 // (fk_rmsnorm_bf16); scratch: 2n floats. A row is read whole before it is written (out may alias x).
 static void rmsnorm_rows(const uint16_t* x, const uint16_t* w, int64_t n, float eps, uint16_t* out, int64_t r0,
                          int64_t r1, float* scratch) {
-  float* hf = scratch;
-  float* h2 = hf + n;
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* xr = x + r * n;
-    for (int64_t i = 0; i < n; ++i) {
-      hf[i] = ld(xr[i]);
-      h2[i] = hf[i] * hf[i];
-    }
-    const float inv = 1.0f / std::sqrt(torch_sum(h2, n) / float(n) + eps);
-    uint16_t* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = st(ld(w[i]) * rnd(hf[i] * inv));
+    const float inv = rms_inv(x + r * n, n, eps, scratch, scratch + n);
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = st(ld(w[i]) * rnd(scratch[i] * inv));
+  }
+}
+
+// out[r] = fp32(h * inv) * w in fp32 with w fp32 [n] (fk_rmsnorm_f32: torch's F.rms_norm of x.float() with an
+// fp32 weight, fiddler.model.rms_norm_f32), rows [r0, r1); out fp32 [rows, n].
+static void rmsnorm_rows_f32(const uint16_t* x, const float* w, int64_t n, float eps, float* out, int64_t r0,
+                             int64_t r1, float* scratch) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float inv = rms_inv(x + r * n, n, eps, scratch, scratch + n);
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = (scratch[i] * inv) * w[i];
   }
 }

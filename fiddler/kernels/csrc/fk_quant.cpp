@@ -226,7 +226,7 @@ bool qamx_agrees(const QuantOps& tiles) {
           xq[(kb * kT + t) * kQK + i] = v;
           sum += v;
         }
-        xs[kb * kT + t] = sum;
+        xs[kb * kT + t] = -q_zero(fmt) * sum;
         xd[kb * kT + t] = float(int(next() % 100) + 1) / 1024.0f;
       }
     for (int m : {kT, 5}) {
@@ -451,7 +451,7 @@ struct Acts {
 
 // bf16 or fp32 rows x[tokens][k] (row stride ldx) -> the mode's activations with K padded to kp with
 // zeros. a8: per 32-block d = amax / 127 rounded to fp16 (used as such), q = round-half-even(x * 127 /
-// amax), as llama.cpp's x86 quantize_row_q8_0 does.
+// amax), as llama.cpp's x86 quantize_row_q8_0 does; s the correction for weights of format fmt.
 inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
 inline float to_f32(float v) { return v; }
 inline void quant_row(const QuantOps& ops, const uint16_t* x, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* s) {
@@ -462,7 +462,7 @@ inline void quant_row(const QuantOps& ops, const float* x, int64_t k, int64_t kp
 }
 
 template <class T>
-void prepare_acts(int mode, const T* x, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
+void prepare_acts(int mode, int fmt, const T* x, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
   a.kp = kp;
   a.tokens = tokens;
   const int64_t nkb = kp / kQK;
@@ -486,16 +486,17 @@ void prepare_acts(int mode, const T* x, int64_t ldx, int64_t tokens, int64_t k, 
     for (int64_t kb = 0; kb < nkb; ++kb) {
       std::memcpy(q + (kb * tokens + t) * kQK, rq + kb * kQK, kQK);
       d[kb * tokens + t] = rd[kb];
-      s[kb * tokens + t] = rs[kb];
+      s[kb * tokens + t] = -q_zero(fmt) * rs[kb];
     }
   }
 }
 
-void prepare_acts(int mode, const void* x, bool x_f32, int64_t ldx, int64_t tokens, int64_t k, int64_t kp, Acts& a) {
+void prepare_acts(int mode, int fmt, const void* x, bool x_f32, int64_t ldx, int64_t tokens, int64_t k, int64_t kp,
+                  Acts& a) {
   if (x_f32)
-    prepare_acts(mode, static_cast<const float*>(x), ldx, tokens, k, kp, a);
+    prepare_acts(mode, fmt, static_cast<const float*>(x), ldx, tokens, k, kp, a);
   else
-    prepare_acts(mode, static_cast<const uint16_t*>(x), ldx, tokens, k, kp, a);
+    prepare_acts(mode, fmt, static_cast<const uint16_t*>(x), ldx, tokens, k, kp, a);
 }
 
 // acc[tokens][16] for one row group's stream w (all tokens, token groups of ops.mr)
@@ -541,7 +542,7 @@ int qlinear(int fmt, const void* packed, int64_t n, int64_t k, const void* x, bo
   const int64_t kp = round_up(k, kQAlignK), units = kp / kQAlignK, n_rg = round_up(n, kQRows) / kQRows;
   const int64_t rgb = rg_bytes(fmt, k);
   const size_t es = out_f32 ? 4 : 2;
-  prepare_acts(mode, x, x_f32, k, tokens, k, kp, t_ax);
+  prepare_acts(mode, fmt, x, x_f32, k, tokens, k, kp, t_ax);
   const Acts& a = t_ax;
   const auto* w = static_cast<const uint8_t*>(packed);
   pool().run(thread_count(threads, n_rg, n_rg * rgb, tokens), n_rg, 1, [&](int64_t g0, int64_t g1) {
@@ -593,7 +594,7 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
   const int64_t rg_f = round_up(ffn, kQRows) / kQRows, rg_h = round_up(hidden, kQRows) / kQRows;
   const int64_t rgb13 = rg_bytes(fmt, hidden), rgb2 = rg_bytes(fmt, ffn);
   const int64_t ldh = kp_f, h_stride = tokens * ldh;
-  prepare_acts(mode, x, x_f32, hidden, tokens, hidden, kp_h, t_ax);
+  prepare_acts(mode, fmt, x, x_f32, hidden, tokens, hidden, kp_h, t_ax);
   const Acts& ax = t_ax;
   float* h = qscratch(t_qh, size_t(n_experts * h_stride));  // fp32, as llama.cpp keeps it
   const int64_t items1 = n_experts * rg_f;
@@ -612,7 +613,7 @@ int qmoe_ffn(int fmt, const void* const* p13, const void* const* p2, const uint1
     float* he = h + e * h_stride;
     for (int64_t t = 0; t < tokens; ++t)
       std::memset(he + t * ldh + rg_f * kQRows, 0, size_t(ldh - rg_f * kQRows) * sizeof(float));
-    prepare_acts(mode, he, ldh, tokens, ldh, kp_f, t_ah[size_t(e)]);
+    prepare_acts(mode, fmt, he, ldh, tokens, ldh, kp_f, t_ah[size_t(e)]);
   }
   uint16_t* ye = qscratch(t_qy, size_t(n_experts * tokens * hidden));
   const std::vector<Acts>& ah = t_ah;

@@ -40,6 +40,8 @@ constexpr int kQAlignK = 64;  // K padding (two blocks per unit)
 inline int64_t q_block_bytes(int fmt) { return fmt == kQ8_0 ? 34 : 18; }        // llama.cpp's block
 inline int64_t q_quant_bytes(int fmt) { return fmt == kQ8_0 ? 512 : 256; }      // one block of a row group
 inline int64_t q_unit_bytes(int fmt) { return 64 + 2 * q_quant_bytes(fmt); }    // two blocks of a row group
+// The zero point of the unsigned bytes the vector paths multiply: Q8_0 stores q + 128, Q4_0 the nibble q + 8.
+inline int32_t q_zero(int fmt) { return fmt == kQ8_0 ? 128 : 8; }
 
 // fp16 <-> fp32 (IEEE half, round to nearest even), portable.
 inline float half_to_f32(uint16_t h) {
@@ -61,8 +63,9 @@ inline float half_to_f32(uint16_t h) {
 uint16_t f32_to_half(float f);
 
 // The a8 activation layout, block-major: for each 32-block kb of K, every token's Q8_0 quants of x,
-// its scale (fp16-rounded, as fp32) and the sum of its quants (the zero-point correction of the
-// unsigned operand):
+// its scale (fp16-rounded, as fp32) and the zero-point correction of the unsigned weight operand,
+// -q_zero(fmt) * (the sum of its quants), which a vpdpbusd sum starts from (so it depends on the format
+// of the weights the activations meet):
 //   q [kp / 32][ld][32] int8,  d [kp / 32][ld] fp32,  s [kp / 32][ld] int32   (ld: the call's tokens)
 // A micro-kernel then finds token t of a block at a fixed offset from one pointer (t * 32 bytes, t * 4)
 // however many tokens it takes, which keeps 16 tokens' addresses out of the general registers.

@@ -79,7 +79,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
         const __m256 dw = scales8(w + 32 * b + 16 * hh);
         for (int t = 0; t < M; ++t) {
           __m256i v = is[t][hh];
-          if constexpr (Fmt == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * xs[kb * ld + t]));
+          if constexpr (Fmt == kQ4_0) v = _mm256_add_epi32(v, _mm256_set1_epi32(xs[kb * ld + t]));  // -8 sum(x_q)
           f[t][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_set1_ps(xd[kb * ld + t])),
                                      f[t][hh]);
         }

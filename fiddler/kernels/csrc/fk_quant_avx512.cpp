@@ -14,10 +14,16 @@ namespace fk {
 namespace {
 
 // Up to 16 tokens a call, so that 16 tokens stream a row group from DRAM once (two calls of 8 had the
-// second re-read it from L2 with the stream idle meanwhile). Past kMrRegisters tokens each token's fp32
-// sum lives in its row of `acc` (L1) instead of a register: the integer block sums take the registers.
+// second re-read it from L2 with the stream idle meanwhile). Each block's tokens go in passes of at most
+// kMrRegisters, so that the tokens' fp32 sums stay in registers (a pass's 8 integer sums and the 16 fp32
+// sums about fill the 32 zmm: GCC 12 keeps 14 there); the second pass re-reads the block's weights from L1. (One pass of 16 kept
+// the sums past 8 in memory: a load and a store per block and token, and 1.15-1.25x the time per block
+// at 16 tokens in L2 on an AMD EPYC Zen 4.)
 constexpr int kMr = 16;
 constexpr int kMrRegisters = 8;
+// Up to this many tokens a pass, each token sums a block into two accumulators (see a8_block): Q4_0
+// only, whose blocks arrive twice as fast from DRAM as Q8_0's.
+constexpr int kSplitSumTokens[kNumQFormats] = {0, 2};
 
 inline __m512i bcast4(const void* p) {
   int v;
@@ -40,73 +46,78 @@ inline int64_t pf_distances(const StreamTuning& st) {
   return (st.hint != kHintNone ? st.distance : 0) | (st.far << 32);
 }
 
-// a8: per block, isum[t] = sum_j dpbusd(u8 weights, s8 activations); the unsigned weights are
-// Q8_0 q + 128 (stored so) or the Q4_0 nibbles, so isum - zero * sum(x_q) is the signed dot product.
+// a8: per block, isum[t] = c[t] + sum_j dpbusd(u8 weights, s8 activations); the unsigned weights are
+// Q8_0 q + 128 (stored so) or the Q4_0 nibbles, and c[t] (the a8 layout's s: minus the zero point times
+// the sum of the activation quants, fk_quant.h) starts the sum, so isum is the signed dot product with no
+// correction step. Per block and token the vector units then do one convert, one multiply of the two
+// scales and one fma, the least the fixed numerics allow (AMD EPYC Zen 4, in registers: 8 vpdpbusd take
+// 2.18 ns, with that epilogue 2.75 ns per block and token; this kernel at 16 tokens in L2: 2.78).
 // With few tokens a single accumulator per token would chain 8 dependent vpdpbusd per block (~40
 // cycles: slower than DRAM delivers a Q4_0 block on one core), so each token sums into NA
-// independent accumulators that are added at the end of the block. Activations: the block-major a8
-// layout (fk_quant.h), `ld` tokens a block. The fp32 sum of token t: f[t] up to kMrRegisters tokens, else acc's row t
-// (the same operations in the same order, so the same bits either way).
+// independent accumulators that are added at the end of the block. Every token's fp32 sum takes the
+// same operations in the same order whatever the pass and call it is in, so a token's bits do not
+// depend on its neighbours.
+
+// One block's products for the MH tokens of xb (token t's 32 quants at xb + 32 t), into f[0..MH). (Not
+// always_inline: GCC 12 then drops the stream prefetches of pf_line, which cost 1.3x at 4-16 tokens.)
+template <int Fmt, int MH, bool Pf>
+inline void a8_block(const uint8_t* q, __m512 dw, const int8_t* xb, const float* db, const int32_t* cb, __m512* f,
+                     int64_t dist) {
+  constexpr int NA = MH <= kSplitSumTokens[Fmt] ? 2 : 1;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512i is[MH][NA];
+  for (int t = 0; t < MH; ++t) {
+    is[t][0] = _mm512_set1_epi32(cb[t]);
+    for (int a = 1; a < NA; ++a) is[t][a] = _mm512_setzero_si512();
+  }
+  if constexpr (Fmt == kQ8_0) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      pf_line<Pf>(q + 64 * j, dist);
+      const __m512i wv = _mm512_load_si512(q + 64 * j);
+      for (int t = 0; t < MH; ++t)
+        is[t][j % NA] = _mm512_dpbusd_epi32(is[t][j % NA], wv, bcast4(xb + t * kQK + 4 * j));
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      pf_line<Pf>(q + 64 * j, dist);
+      const __m512i v = _mm512_load_si512(q + 64 * j);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int t = 0; t < MH; ++t) {
+        const int8_t* xt = xb + t * kQK;
+        is[t][(2 * j) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j) % NA], lo, bcast4(xt + 4 * j));
+        is[t][(2 * j + 1) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j + 1) % NA], hi, bcast4(xt + 16 + 4 * j));
+      }
+    }
+  }
+  for (int t = 0; t < MH; ++t) {
+    __m512i sum = is[t][0];
+    for (int a = 1; a < NA; ++a) sum = _mm512_add_epi32(sum, is[t][a]);
+    f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(db[t])), f[t]);
+  }
+}
+
 template <int Fmt, int M, bool Pf>
 void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
              float* acc, int64_t dist) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576, qb = Fmt == kQ8_0 ? 512 : 256;
-  constexpr int zero = Fmt == kQ8_0 ? 128 : 8;
-  constexpr int NA = Fmt == kQ8_0 ? 1 : (M <= 2 ? 2 : 1);
-  constexpr bool kInAcc = M > kMrRegisters;
-  __m512 f[kInAcc ? 1 : M];
-  for (int t = 0; t < M; ++t) {
-    if constexpr (kInAcc) _mm512_storeu_ps(acc + t * kQRows, _mm512_setzero_ps());
-    else f[t] = _mm512_setzero_ps();
-  }
-  const __m512i low = _mm512_set1_epi8(0x0f);
+  constexpr int M0 = M > kMrRegisters ? kMrRegisters : M, M1 = M - M0;
+  __m512 f[M];
+  for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();
   for (int64_t u = 0; u < units; ++u, w += ub) {
     pf_line<Pf>(w, dist);
     for (int b = 0; b < 2; ++b) {
       const int64_t kb = 2 * u + b;
       const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
       const uint8_t* q = w + 64 + b * qb;
-      const int8_t* xb = xq + kb * ld * kQK;  // token t's 32 quants at xb + 32 t
-      const float* db = xd + kb * ld;
-      const int32_t* sb = xs + kb * ld;
-      __m512i is[M][NA];
-      for (int t = 0; t < M; ++t)
-        for (int a = 0; a < NA; ++a) is[t][a] = _mm512_setzero_si512();
-      if constexpr (Fmt == kQ8_0) {
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          pf_line<Pf>(q + 64 * j, dist);
-          const __m512i wv = _mm512_load_si512(q + 64 * j);
-          for (int t = 0; t < M; ++t)
-            is[t][j % NA] = _mm512_dpbusd_epi32(is[t][j % NA], wv, bcast4(xb + t * kQK + 4 * j));
-        }
-      } else {
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          pf_line<Pf>(q + 64 * j, dist);
-          const __m512i v = _mm512_load_si512(q + 64 * j);
-          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          for (int t = 0; t < M; ++t) {
-            const int8_t* xt = xb + t * kQK;
-            is[t][(2 * j) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j) % NA], lo, bcast4(xt + 4 * j));
-            is[t][(2 * j + 1) % NA] = _mm512_dpbusd_epi32(is[t][(2 * j + 1) % NA], hi, bcast4(xt + 16 + 4 * j));
-          }
-        }
-      }
-      for (int t = 0; t < M; ++t) {
-        __m512i sum = is[t][0];
-        for (int a = 1; a < NA; ++a) sum = _mm512_add_epi32(sum, is[t][a]);
-        const __m512i corr = _mm512_set1_epi32(zero * sb[t]);
-        const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr));
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(db[t]));
-        if constexpr (kInAcc)
-          _mm512_storeu_ps(acc + t * kQRows, _mm512_fmadd_ps(s, scale, _mm512_loadu_ps(acc + t * kQRows)));
-        else f[t] = _mm512_fmadd_ps(s, scale, f[t]);
-      }
+      const int8_t* xb = xq + kb * ld * kQK;
+      a8_block<Fmt, M0, Pf>(q, dw, xb, xd + kb * ld, xs + kb * ld, f, dist);
+      if constexpr (M1 > 0)
+        a8_block<Fmt, M1, false>(q, dw, xb + M0 * kQK, xd + kb * ld + M0, xs + kb * ld + M0, f + M0, 0);
     }
   }
-  if constexpr (!kInAcc)
-    for (int t = 0; t < M; ++t) _mm512_storeu_ps(acc + t * kQRows, f[t]);
+  for (int t = 0; t < M; ++t) _mm512_storeu_ps(acc + t * kQRows, f[t]);
 }
 
 // w: weights dequantized in registers to fp32 (the integer q, times d_w once per block).

@@ -25,7 +25,7 @@ import os
 # the package's names: what the engine, the benchmarks and the tests call (re-exports)
 from . import _lib, constants, timing  # noqa: F401
 from ._lib import L as _L  # noqa: F401
-from .packed import PackedExpert, PackedLinear, aligned_buffer, moe_ffn, moe_ffn_residual  # noqa: F401
+from .packed import ExpertTable, PackedExpert, PackedLinear, aligned_buffer, moe_ffn, moe_ffn_residual  # noqa: F401
 from .probe import (LIMIT_STRATEGIES, READ_ONCE_STRATEGIES, limit_buffer, llc_bytes, read_limit,  # noqa: F401
                     read_once_gbps, stream_working_set_bytes)
 from .settings import (HINTS, amx_choice, blocking, blocking_choice, features, get_num_threads,  # noqa: F401
@@ -36,7 +36,7 @@ from .tuning import (AMX_TUNE_CANDIDATES, BLOCKING_TUNE_CANDIDATES, BLOCKING_TUN
                      tune_stream)
 
 __all__ = [
-    "PackedExpert", "PackedLinear", "moe_ffn", "moe_ffn_residual", "isa", "set_isa", "set_amx", "features", "set_num_threads",
+    "ExpertTable", "PackedExpert", "PackedLinear", "moe_ffn", "moe_ffn_residual", "isa", "set_isa", "set_amx", "features", "set_num_threads",
     "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "tune_blocking",
     "set_super_blocks", "super_blocks_for", "blocking_choice", "read_limit", "limit_buffer",
     "stream_working_set_bytes", "is_available", "load_error", "blocking", "constants", "timing",

@@ -7,6 +7,7 @@ attention: the avx512_bf16 path)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 #: a projection's kernel_max_tokens meaning "the kernel at every token count" (torch never serves it)
@@ -31,6 +32,14 @@ def load_decode_kernels():
     """fiddler.kernels.decode if the compiled library loaded (it has the fused decode ops), else None."""
     d, _ = _module("decode")
     return d if d is not None and d.is_available() else None
+
+
+@functools.cache
+def load_route_kernels():
+    """fiddler.kernels.route if the compiled library loaded with it, else None (asked once: the router of every
+    layer asks)."""
+    r, _ = _module("route")
+    return r if r is not None and r.is_available() else None
 
 
 def decode_kernels_error() -> str:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from .config import MoEConfig
 from .executors.contract import ExpertExecutor
 from .executors.ffn import torch_expert
-from .kernel_loader import KERNEL_EVERY_COUNT, decode_kernels_error, load_decode_kernels, load_kernels
+from .kernel_loader import (KERNEL_EVERY_COUNT, decode_kernels_error, load_decode_kernels, load_kernels,
+                            load_route_kernels)
 from .step import Segment
 from .threads import small_call_threads, torch_threads
 from .weights import ExpertWeights, ModelWeights
@@ -228,11 +229,12 @@ def route(logits: torch.Tensor, cfg_or_top_k, dtype: torch.dtype, score_bias: to
 
     topk_first (the GPU side's fewest launches): where the top-k weights are a renormalised softmax, the
     softmax of the top-k logits alone, which is the same function in two ops instead of four or more (the
-    same experts, as softmax keeps the order; weights within an ulp of fp32)."""
-    renormalised_softmax = isinstance(cfg_or_top_k, int) or (
-        cfg_or_top_k.scoring_func == "softmax" and cfg_or_top_k.topk_method == "greedy"
-        and cfg_or_top_k.norm_topk_prob and not cfg_or_top_k.router_fp32)
-    if topk_first and renormalised_softmax:
+    same experts, as softmax keeps the order; weights within an ulp of fp32). Otherwise, on the CPU with bf16
+    weights, the sorted top-k after the scores, its renormalisation and the cast run in one C call wherever
+    that gives torch's bits (_topk_in_kernel)."""
+    if topk_first and (isinstance(cfg_or_top_k, int) or (  # a renormalised softmax
+            cfg_or_top_k.scoring_func == "softmax" and cfg_or_top_k.topk_method == "greedy"
+            and cfg_or_top_k.norm_topk_prob and not cfg_or_top_k.router_fp32)):
         K, sort = (cfg_or_top_k, True) if isinstance(cfg_or_top_k, int) else (cfg_or_top_k.top_k, cfg_or_top_k.topk_sorted)
         vals, idx = torch.topk(logits, K, dim=-1, sorted=sort)
         # in the logits' dtype when that is the model's: softmax computes in fp32 and rounds once, as the
@@ -241,6 +243,9 @@ def route(logits: torch.Tensor, cfg_or_top_k, dtype: torch.dtype, score_bias: to
         return idx, w.to(dtype)
     if isinstance(cfg_or_top_k, int):
         probs = torch.softmax(logits.float(), dim=-1)
+        fast = _topk_in_kernel(probs, cfg_or_top_k, True, dtype)
+        if fast is not None:
+            return fast
         w, idx = torch.topk(probs, cfg_or_top_k, dim=-1)
         w /= w.sum(dim=-1, keepdim=True)
         return idx, w.to(dtype)
@@ -268,12 +273,29 @@ def route(logits: torch.Tensor, cfg_or_top_k, dtype: torch.dtype, score_bias: to
         mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         mask = mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
         scores = scores.masked_fill(~mask.bool(), 0.0)
+    if cfg.topk_sorted and not cfg.router_fp32:
+        fast = _topk_in_kernel(scores, K, cfg.norm_topk_prob, dtype)
+        if fast is not None:
+            return fast
     w, idx = torch.topk(scores, K, dim=-1, sorted=cfg.topk_sorted)
     if cfg.norm_topk_prob:
         w /= w.sum(dim=-1, keepdim=True)
     if cfg.router_fp32:  # DeepSeek scales (V2: always, whatever the factor)
         w = w * cfg.routed_scaling_factor
     return idx, w.to(dtype)
+
+
+def _topk_in_kernel(scores: torch.Tensor, K: int, renorm: bool, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """route()'s sorted torch.topk of fp32 CPU scores, its renormalisation (renorm) and the cast to bf16 in
+    one C call (fiddler.kernels.route: ~1 us where the four torch ops take ~9 on a small CPU, a decode step
+    routing every layer): the same bits, or None where the kernel does not serve them (no library, another
+    dtype, a renormalised top-k over 2, ties or NaN among the top k), and torch does."""
+    kr = load_route_kernels()
+    if kr is None or dtype != torch.bfloat16 or not scores.is_cpu or (renorm and K > 2) or scores.dim() != 2 \
+            or not scores.is_contiguous():
+        return None
+    return kr.topk(scores, K, renorm)
 
 
 class DenseMLP:
@@ -784,8 +806,8 @@ class MoETransformer:
         logits into a reused buffer (not inside a CUDA graph, whose outputs are its own). `logits`: the
         router's output for h where already computed (the fused decode block's)."""
         cfg = self.cfg
-        main = h.device == self.device and buffered
         if logits is None:
+            main = h.device == self.device and buffered
             logits = layer.router_logits(h, out=self._buf("router", (h.shape[0], cfg.num_experts), h.dtype)
                                          if main and layer.router is not None else None)
         idx, w = route(logits, cfg, self.dtype, layer.score_bias, topk_first=layer.on_gpu)

@@ -62,7 +62,7 @@ class Timed:
 
 C_CALLS = ("fk_rmsnorm_bf16", "fk_rope_attn_decode_bf16", "fk_rope_attn_decode_rows_bf16", "fk_linear",
            "fk_moe_ffn", "fk_qlinear", "fk_qmoe_ffn", "fk_quantize_rows", "fk_decode_attn_block_bf16",
-           "fk_decode_attn_block_q", "fk_rmsnorm_f32", "fk_moe_ffn_residual_bf16")
+           "fk_decode_attn_block_q", "fk_rmsnorm_f32", "fk_moe_ffn_residual_bf16", "fk_route_topk_f32")
 
 
 @contextmanager

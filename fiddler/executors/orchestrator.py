@@ -115,12 +115,12 @@ class FiddlerStats(StatsBase):
         """Count one MoE call of `layer`: its plan's decisions, predicted makespan and (when measured) its
         wall and CPU-queue time (the executor and the simulator's Fiddler policy count alike)."""
         ls = self.layers[layer]
+        used = [(kind, n) for n, kind in zip(plan.counts, plan.decisions) if kind is not None]
         for st in (self, ls):
             st.calls += 1
-            for n, kind in zip(plan.counts, plan.decisions):
-                if kind is not None:
-                    st.tokens[kind] += n
-                    st.experts[kind] += 1
+            for kind, n in used:
+                st.tokens[kind] += n
+                st.experts[kind] += 1
             st.predicted_s += plan.makespan
             st.wall_s += wall
             st.cpu_queue_s += cpu_s
@@ -170,7 +170,9 @@ class FiddlerExecutor(ExpertExecutor):
         next layer's copies during a long prompt's layer call (fiddler.streaming; False: the ablation)."""
         self.config, self.gpu, self.dtype = config, gpu, dtype
         self.device = gpu.device
+        self._on_cpu = self.device.type == "cpu"
         self.cuda = gpu.is_cuda
+        self._tables: dict[int, Any] = {}  # layer -> kernels.ExpertTable (_table)
         self.placement, self.threads = placement, threads
         L, E = config.num_moe_layers, config.expert_slots
         if len(experts) != L or any(len(layer) != E for layer in experts):
@@ -288,6 +290,15 @@ class FiddlerExecutor(ExpertExecutor):
 
     def _set_holding(self, layer: int, e: int, h) -> None:
         (self.packed if self.packed_host else self.host)[layer][e] = h
+        self._tables.pop(layer, None)
+
+    def _table(self, layer: int):
+        """The layer's packed bf16 host copies as the fused call's pointers (kernels.ExpertTable), gathered on
+        first use and again after a host copy changed (_set_holding)."""
+        t = self._tables.get(layer)
+        if t is None:
+            t = self._tables[layer] = self.kernel.ExpertTable(self.packed[layer])
+        return t
 
     def _device_copy(self, w: ExpertWeights) -> ExpertWeights:
         """A resident expert's GPU-side copy: w1 and w3 stacked (one GEMM), or the block bytes (quantized)."""
@@ -694,12 +705,12 @@ class FiddlerExecutor(ExpertExecutor):
         serves it (an expert twice, no packed kernel)."""
         if not (self.fused_decode and self.packed_host and x.is_contiguous() and topk_w.dtype == torch.bfloat16):
             return None
-        ids = topk_idx[0].tolist()
+        ids = topk_idx.tolist()[0]  # (the whole [1, K] tensor to a list: no row view made first)
         counts = row_counts(ids, self.config.expert_slots, layer)
         if max(counts) != 1:
             return None
         plan = self.planner(counts, self.cache.resident[layer], self.latency_model)
-        if any(d is not None and d != CPU for d in plan.decisions):
+        if not _cpu_or_idle(plan.decisions):
             return None
         return self._decode_row_on_cpu(layer, x, ids, topk_w, plan, t_start, residual)
 
@@ -709,17 +720,19 @@ class FiddlerExecutor(ExpertExecutor):
         """One token whose plan puts every routed expert (distinct ids) on the CPU (always so without a GPU):
         all of them in one kernel call (fiddler.kernels.moe_ffn: two pooled regions per layer, no Python
         between experts), with the same roundings as the general path. x and topk_w are in host memory."""
-        packed = self.packed[layer]
-        experts = [packed[e] for e in ids]
         threads = small_call_threads(len(ids) * self.expert_bytes, self.threads.all)
-        if residual is not None and self.quant is None and self.device.type == "cpu" and residual.is_contiguous():
-            # with the residual add in the same call: the bits of moe_ffn's result + residual
-            out = self.kernel.moe_ffn_residual(experts, topk_w[0].contiguous(), x, residual, threads=threads)
+        if residual is not None and self.quant is None and self._on_cpu and residual.is_contiguous() \
+                and topk_w.is_contiguous():
+            # with the residual add in the same call: the bits of moe_ffn's result + residual; the layer's
+            # experts as pointers gathered once (kernels.ExpertTable), the row's weights as they are
+            out = self._table(layer).residual_row(ids, topk_w, x, residual, threads=threads)
             residual = None
         else:
+            packed = self.packed[layer]
+            experts = [packed[e] for e in ids]
             moe_ffn = self.kernel.moe_ffn if self.quant is None else self.kernel.quant.moe_ffn
             out = moe_ffn(experts, topk_w[0].contiguous(), x, threads=threads)
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             out = out.to(self.device, non_blocking=True)
         wall = time.perf_counter() - t_start
         self.stats.add_plan(layer, plan, len(ids), wall, wall)
@@ -800,6 +813,14 @@ class FiddlerExecutor(ExpertExecutor):
                 self.buffers, self.scratch = [], None
         self.reset_stats()  # calibration copies are not part of the workload
         return lm
+
+
+_CPU_OR_IDLE = frozenset((CPU, None))
+
+
+def _cpu_or_idle(decisions: tuple) -> bool:
+    """Every decision of a plan is the CPU's (c) or None (no tokens routed)."""
+    return _CPU_OR_IDLE.issuperset(decisions)
 
 
 FILL = COPY_BUFFERS - 1  # the copy buffer a fill of the resident set uses (fiddler.residency)

@@ -14,9 +14,10 @@ blocks a many-token product walks K with (`tune_blocking()`). `read_limit()` is 
 memory-read limit that judges the kernel. Calls release the GIL.
 
 The modules: `_lib` binds the library from its header (csrc/fk_api.h), `constants` holds the values the
-C++ side shares (pure Python), `settings` the run-time knobs, `packed` the bf16 weights, `probe` the
-bandwidth probe, `tuning` the per-machine tuners, `timing` how they time, `layout` and `roofline` the
-packed layouts in torch and the compute peak. Nothing here imports the rest of fiddler.
+C++ side shares (pure Python), `settings` the run-time knobs, `packed` the bf16 weights, `route` the
+router's top-k of a decode row, `probe` the bandwidth probe, `tuning` the per-machine tuners, `timing` how
+they time, `layout` and `roofline` the packed layouts in torch and the compute peak. Nothing here imports
+the rest of fiddler.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import os
 # the package's names: what the engine, the benchmarks and the tests call (re-exports)
 from . import _lib, constants, timing  # noqa: F401
 from ._lib import L as _L  # noqa: F401
-from .packed import PackedExpert, PackedLinear, aligned_buffer, moe_ffn, moe_ffn_residual  # noqa: F401
+from .packed import ExpertTable, PackedExpert, PackedLinear, aligned_buffer, moe_ffn, moe_ffn_residual  # noqa: F401
 from .probe import (LIMIT_STRATEGIES, READ_ONCE_STRATEGIES, limit_buffer, llc_bytes, read_limit,  # noqa: F401
                     read_once_gbps, stream_working_set_bytes)
 from .settings import (HINTS, amx_choice, blocking, blocking_choice, features, get_num_threads,  # noqa: F401
@@ -36,7 +37,7 @@ from .tuning import (AMX_TUNE_CANDIDATES, BLOCKING_TUNE_CANDIDATES, BLOCKING_TUN
                      tune_stream)
 
 __all__ = [
-    "PackedExpert", "PackedLinear", "moe_ffn", "moe_ffn_residual", "isa", "set_isa", "set_amx", "features", "set_num_threads",
+    "ExpertTable", "PackedExpert", "PackedLinear", "moe_ffn", "moe_ffn_residual", "isa", "set_isa", "set_amx", "features", "set_num_threads",
     "get_num_threads", "stream", "set_stream", "tune_stream", "tune_amx", "amx_choice", "tune_blocking",
     "set_super_blocks", "super_blocks_for", "blocking_choice", "read_limit", "limit_buffer",
     "stream_working_set_bytes", "is_available", "load_error", "blocking", "constants", "timing",

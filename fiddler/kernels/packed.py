@@ -210,8 +210,6 @@ def moe_ffn(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor,
     return out
 
 
-
-
 def moe_ffn_residual(experts: list[PackedExpert], weights: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
                      threads: int | None = None) -> torch.Tensor:
     """residual + moe_ffn(experts, weights, x) in one call, bit-identical to the two (the add rounds as torch's
@@ -229,3 +227,43 @@ def moe_ffn_residual(experts: list[PackedExpert], weights: torch.Tensor, x: torc
         _lib.check(_L().fk_moe_ffn_residual_bf16(p13, p2, weights.data_ptr(), n, hidden, ffn, x.data_ptr(),
                                                  residual.data_ptr(), tokens, out.data_ptr(), _threads(threads)))
     return out
+
+
+class ExpertTable:
+    """One layer's packed experts ([expert] -> PackedExpert or None) as the pointers the fused calls take,
+    gathered and checked once: a decode row's call (`residual_row`) then checks only its row, not every expert
+    again, and builds no list of experts."""
+
+    def __init__(self, experts: list[PackedExpert | None]):
+        given = [e for e in experts if e is not None]
+        if not given or any(not isinstance(e, PackedExpert) for e in given):
+            raise ValueError("ExpertTable needs PackedExperts (None where the layer holds none)")
+        self.hidden, self.ffn = given[0].hidden, given[0].ffn
+        if any(e.hidden != self.hidden or e.ffn != self.ffn for e in given):
+            raise ValueError("ExpertTable: experts must share one shape")
+        self._experts = list(experts)  # keeps the packed buffers alive while their pointers are held
+        self._w13 = [e._w13.data_ptr() if e is not None else None for e in experts]
+        self._w2 = [e._w2.data_ptr() if e is not None else None for e in experts]
+
+    def residual_row(self, ids: list[int], weights: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                     threads: int | None = None) -> torch.Tensor:
+        """moe_ffn_residual([experts[e] for e in ids], weights, x, residual) for one row x [1, hidden] (the same C
+        call, so the same bits). weights: contiguous bf16 with one entry per id."""
+        n, shape = len(ids), (1, self.hidden)
+        for name, t in (("x", x), ("residual", residual)):
+            if not (t.dtype == torch.bfloat16 and t.is_cpu and t.shape == shape and t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous CPU bf16 {shape}, got {t.dtype} {tuple(t.shape)} "
+                                 f"on {t.device}")
+        if not (weights.dtype == torch.bfloat16 and weights.is_cpu and weights.numel() == n and weights.is_contiguous()):
+            raise ValueError(f"weights must be a contiguous CPU bf16 with {n} entries, got {weights.dtype} "
+                             f"{tuple(weights.shape)}")
+        if n == 0 or min(ids) < 0 or max(ids) >= len(self._w13):
+            raise ValueError(f"expert ids {ids} outside the table's [0, {len(self._w13)})")
+        p13 = (ctypes.c_void_p * n)(*[self._w13[e] for e in ids])
+        if not all(p13):
+            raise ValueError(f"expert ids {ids}: the table holds no expert at some of them")
+        p2 = (ctypes.c_void_p * n)(*[self._w2[e] for e in ids])
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        _lib.check(_L().fk_moe_ffn_residual_bf16(p13, p2, weights.data_ptr(), n, self.hidden, self.ffn, x.data_ptr(),
+                                                 residual.data_ptr(), 1, out.data_ptr(), _threads(threads)))
+        return out

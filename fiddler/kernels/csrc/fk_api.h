@@ -117,6 +117,12 @@ FK_API int fk_decode_attn_block_q(int fmt, const uint16_t* x, int64_t B, int64_t
 // residual + fk_moe_ffn(...) in one call (the executor's decode row and the model's residual add)
 FK_API int fk_moe_ffn_residual_bf16(const void* const* p13, const void* const* p2, const uint16_t* w, int n_experts, int64_t hidden, int64_t ffn, const uint16_t* x, const uint16_t* residual, int64_t tokens, uint16_t* y, int threads);
 
+// ---------------------------------------------------------------- routing (fk_route.cpp)
+// The top k of each row of fp32 router scores [rows, n_experts] into ids [rows, k] (decreasing) and bf16
+// weights [rows, k] (renorm: divided by their sum, k <= 2); 1 (nothing promised) where a row's top k are
+// not unambiguous (a tie at or within them, a NaN): the caller then runs torch.topk
+FK_API int fk_route_topk_f32(const float* scores, int64_t rows, int64_t n_experts, int64_t k, int renorm, int64_t* ids, uint16_t* weights);
+
 // ---------------------------------------------------------------- prefill attention (fk_attention.cpp)
 // needs the avx512_bf16 path; otherwise -1 and the caller uses torch
 FK_API int fk_causal_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t nh, int64_t nkv, int64_t T, int64_t dk, int64_t dv, int64_t q_sb, int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sg, int64_t k_st, int64_t v_sb, int64_t v_sg, int64_t v_st, float scale, uint16_t* out, int threads);

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .kernel_loader import load_argmax_kernels
 from .step import Segment, rows
 
 
@@ -39,6 +40,18 @@ def _check_finite(logits: torch.Tensor, step: int):
     if not bool(torch.isfinite(logits).all()):
         bad = "NaN" if bool(torch.isnan(logits).any()) else "inf"
         raise FloatingPointError(f"{bad} in logits at generation step {step} (0 = prefill); weights or activations overflowed")
+
+
+def greedy_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token (torch.argmax's: the first of equal maxima), or -1 for a row holding a NaN
+    or an inf. Contiguous fp32 CPU logits take one C call (fiddler.kernels.argmax: the check and the choice
+    in one pass); others torch's ops."""
+    k = load_argmax_kernels() if logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous() \
+        and logits.dim() == 2 else None
+    if k is not None:
+        return k.argmax_finite(logits)
+    ok = torch.isfinite(logits).all(dim=-1)
+    return torch.where(ok, torch.argmax(logits, dim=-1), -1).tolist()  # one host read (one sync on a GPU)
 
 
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, min_keep: int = 1):
@@ -130,22 +143,26 @@ def _sample_loop(model, run, prompt, n, do_sample, temperature, top_k, top_p, ge
     def choose(logits):
         return choose_token(logits, do_sample, temperature, top_k, top_p, generator)
 
+    def next_token(logits, step: int) -> int:
+        if not do_sample:  # the finiteness check and argmax in one pass where the kernel serves the logits
+            t = greedy_rows(logits)[0]  # a host read: syncs the device
+            if t < 0:
+                _check_finite(logits, step)  # raises, naming NaN or inf
+            return t
+        _check_finite(logits, step)
+        return int(choose(logits))  # syncs the device
+
     t0 = time.perf_counter()
     logits = run(prompt, rows(1, 0, S))
-    _check_finite(logits, 0)
-    tok = choose(logits)  # [1]
-    _sync(dev)
+    out[0] = next_token(logits, 0)
     ttft = time.perf_counter() - t0
     if on_first_token is not None:
         on_first_token()
-    out[0] = tok.item()
     produced = 1
     while produced < n and not (eos and int(out[produced - 1]) in eos):
         t = time.perf_counter()
-        logits = run(tok, [Segment(0, S + produced - 1, 1)])
-        _check_finite(logits, produced)
-        tok = choose(logits)
-        out[produced] = tok.item()  # .item() syncs the device
+        logits = run(out[produced - 1 : produced].to(dev), [Segment(0, S + produced - 1, 1)])
+        out[produced] = next_token(logits, produced)
         lat.append(time.perf_counter() - t)
         produced += 1
     return GenerationOutput(tokens=out[:produced], stats={"ttft_s": ttft, "decode_latencies_s": lat, "prompt_tokens": S})

@@ -42,6 +42,14 @@ def load_route_kernels():
     return r if r is not None and r.is_available() else None
 
 
+@functools.cache
+def load_argmax_kernels():
+    """fiddler.kernels.argmax if the compiled library loaded with it, else None (asked once: every decode
+    step asks)."""
+    a, _ = _module("argmax")
+    return a if a is not None and a.is_available() else None
+
+
 def decode_kernels_error() -> str:
     """Why load_decode_kernels() returned None."""
     d, e = _module("decode")

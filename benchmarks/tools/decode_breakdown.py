@@ -62,7 +62,7 @@ class Timed:
 
 C_CALLS = ("fk_rmsnorm_bf16", "fk_rope_attn_decode_bf16", "fk_rope_attn_decode_rows_bf16", "fk_linear",
            "fk_moe_ffn", "fk_qlinear", "fk_qmoe_ffn", "fk_quantize_rows", "fk_decode_attn_block_bf16",
-           "fk_decode_attn_block_q", "fk_rmsnorm_f32", "fk_moe_ffn_residual_bf16", "fk_route_topk_f32")
+           "fk_decode_attn_block_q", "fk_rmsnorm_f32", "fk_moe_ffn_residual_bf16")
 
 
 @contextmanager
@@ -102,12 +102,22 @@ def instrumented(engine: Engine, clock: Clock):
     import fiddler.generate as fgen
     patch(fgen, "_check_finite", "isfinite check")
     patch(fgen, "choose_token", "token choice (argmax)")
+    if hasattr(fgen, "greedy_rows"):  # the greedy check + argmax in one call (older trees: the two above)
+        patch(fgen, "greedy_rows", "token choice (check + argmax)")
     import fiddler.kernels.decode as kdec
     for attr, name in (("_rmsnorm", "fk_rmsnorm_bf16"), ("_rope_attn", "fk_rope_attn_decode_bf16"),
                        ("_rope_attn_rows", "fk_rope_attn_decode_rows_bf16"), ("_block", "fk_decode_attn_block_bf16"),
                        ("_rmsnorm_f32", "fk_rmsnorm_f32"), ("_block_q", "fk_decode_attn_block_q")):
         if hasattr(kdec, attr):
             patch(kdec, attr, "C: " + name)
+    import importlib
+    for mod, attr, name in (("route", "_topk", "fk_route_topk_f32"), ("argmax", "_argmax", "fk_argmax_f32")):
+        try:  # bound at import under their own names (older trees lack a module)
+            k = importlib.import_module(f"fiddler.kernels.{mod}")
+        except ImportError:
+            continue
+        if hasattr(k, attr):
+            patch(k, attr, "C: " + name)
     for name in C_CALLS:
         if hasattr(_lib.lib, name):
             patch(_lib.lib, name, "C: " + name)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..generate import check_lengths, choose_token
+from ..generate import check_lengths, choose_token, greedy_rows
 from ..step import Segment
 from ..threads import torch_threads
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
@@ -235,15 +235,11 @@ class BatchEngine:
         can fail only that request (its neighbours in the step get their tokens)."""
         if not emitting:
             return []
-        ok = torch.isfinite(logits).all(dim=-1).tolist()
-        out: list[int | str] = ["non-finite logits"] * len(emitting)
-        greedy = [j for j, w in enumerate(emitting) if ok[j] and w.request.params.greedy]
-        if greedy:
-            for j, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
-                out[j] = t
+        best = greedy_rows(logits)  # every row's argmax, -1 where it is not finite
+        out: list[int | str] = [t if t >= 0 else "non-finite logits" for t in best]
         for j, w in enumerate(emitting):
             p = w.request.params
-            if ok[j] and not p.greedy:
+            if best[j] >= 0 and not p.greedy:
                 try:
                     out[j] = int(choose_token(logits[j : j + 1], True, p.temperature, p.top_k, p.top_p,
                                               w.request.generator))

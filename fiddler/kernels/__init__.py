@@ -15,9 +15,9 @@ memory-read limit that judges the kernel. Calls release the GIL.
 
 The modules: `_lib` binds the library from its header (csrc/fk_api.h), `constants` holds the values the
 C++ side shares (pure Python), `settings` the run-time knobs, `packed` the bf16 weights, `route` the
-router's top-k of a decode row, `probe` the bandwidth probe, `tuning` the per-machine tuners, `timing` how
-they time, `layout` and `roofline` the packed layouts in torch and the compute peak. Nothing here imports
-the rest of fiddler.
+router's top-k of a decode row, `argmax` the greedy token choice, `probe` the bandwidth probe, `tuning` the
+per-machine tuners, `timing` how they time, `layout` and `roofline` the packed layouts in torch and the
+compute peak. Nothing here imports the rest of fiddler.
 """
 from __future__ import annotations
 

@@ -123,6 +123,11 @@ FK_API int fk_moe_ffn_residual_bf16(const void* const* p13, const void* const* p
 // not unambiguous (a tie at or within them, a NaN): the caller then runs torch.topk
 FK_API int fk_route_topk_f32(const float* scores, int64_t rows, int64_t n_experts, int64_t k, int renorm, int64_t* ids, uint16_t* weights);
 
+// ---------------------------------------------------------------- greedy token choice (fk_argmax.cpp)
+// Each row of fp32 logits [rows, n]: idx[r] = its first largest index (torch.argmax's), or -1 where the row
+// holds a NaN or an inf; returns how many rows did
+FK_API int fk_argmax_f32(const float* x, int64_t rows, int64_t n, int64_t* idx);
+
 // ---------------------------------------------------------------- prefill attention (fk_attention.cpp)
 // needs the avx512_bf16 path; otherwise -1 and the caller uses torch
 FK_API int fk_causal_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B, int64_t nh, int64_t nkv, int64_t T, int64_t dk, int64_t dv, int64_t q_sb, int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sg, int64_t k_st, int64_t v_sb, int64_t v_sg, int64_t v_st, float scale, uint16_t* out, int threads);

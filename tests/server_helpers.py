@@ -25,10 +25,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(*extra: str, model=None):
+def running_server(*extra: str, model=None, command=None):
+    """`python -m fiddler.server` with extra options, or command(port) (another server on 127.0.0.1:port)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "fiddler.server", "--model", str(model or synthetic_model("tiny_mixtral")),
-           "--port", str(port), *extra]
+    cmd = command(port) if command else [sys.executable, "-m", "fiddler.server", "--model",
+                                         str(model or synthetic_model("tiny_mixtral")), "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         end = time.monotonic() + START_TIMEOUT_S

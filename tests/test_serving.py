@@ -5,6 +5,7 @@ and `python run.py workload=serving` end to end with guidellm against the engine
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -117,6 +118,13 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
         best = recs[2]["metrics"][f"max_rate_{name}_slo"]
         within = [t["rate"] for t in search["trials"] if t["within"][name]]
         assert best == (max(within) if within else None)
+    # workload=serving's one warm-up request reached the server before the levels and is in no level's count
+    assert all(r["serving"]["warmup"] == {**r["serving"]["warmup"], "requests": 1, "completed": 1, "status": "ok"}
+               for r in recs)
+    # the server's count at the last level's end: every level's requests and the warm-up's (the search's come later)
+    pattern = r'fiddler_requests_total\{route="completions",outcome="ok"\} (\d+)'
+    served = max(int(re.search(pattern, r["serving"]["server_metrics"]).group(1)) for r in recs)
+    assert served == 1 + sum(r["metrics"]["requests"] for r in recs)
     assert "| streams" in res.stdout or "streams |" in res.stdout
     assert (d / "server.log").exists()
 

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,29 @@ class _Levels:
             facts["itl"]["server_during_guidellm"] = during_guidellm
         return metrics, facts
 
+    def warm_up(self, point: dict, progress) -> dict:
+        """workload.warmup requests, one stream, the first level's lengths, before any level is measured (as `vllm
+        bench serve` sends a first request): a server's first request pays for what it sets up on first use
+        (transformers serve starts its continuous-batching manager, about half a minute on 2 cores), which would
+        otherwise land in the first level's p99. What was sent and whether it worked, for the record."""
+        n = self.w.warmup
+        if not n:
+            return {"requests": 0}
+        progress.note(f"warm-up: {n} request{'s' if n > 1 else ''}, not measured")
+        t0 = time.perf_counter()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                report, _ = run_guidellm(self.target, self.job.model_path, {**point, "concurrency": 1}, n,
+                                         Path(tmp) / "guidellm.json", timeout_s=self.timeout_s,
+                                         has_health=self.has_health, shared_prefix_len=self.w.shared_prefix_len,
+                                         seed=self.w.seed, api_key=self.api_key)
+            done = metrics_from_guidellm(report, self.w.slo_ttft_s, self.w.slo_tpot_s)["requests"]
+            status, reason = "ok", None
+        except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
+            done, status, reason = 0, "error", api_key_scrub(f"{type(e).__name__}: {e}", self.api_key)[:2000]
+        return {"requests": n, "completed": done, "status": status, "reason": reason,
+                "wall_s": round(time.perf_counter() - t0, 3)}
+
     def itl(self, point: dict, n: int) -> tuple[dict, dict]:
         """The level's load again from aiperf: ITL from its per-event times, and the server's ITL histogram
         (/metrics) over the same requests. (metrics, facts); where it cannot run, no metrics and the reason."""
@@ -290,6 +314,7 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
             return
         levels = _Levels(job, conf, f"http://{serve.host}:{serve.port}", adapter.server_health_path == "/health",
                          server)
+        warmup = levels.warm_up(points[0], progress)
         full = max((i for i in todo if job.points[i].get("concurrency")), default=None,
                    key=lambda i: job.points[i]["concurrency"])
         unloaded: dict | None = None
@@ -313,7 +338,7 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
                                              "times (guidellm keeps none), itl_server_* from the server's histogram",
                               "slo": {"ttft_p99_s": w.slo_ttft_s, "tpot_p99_s": w.slo_tpot_s,
                                       "source": SLO_SOURCE["mlperf"], "slo_scale": w.slo_scale},
-                              "shared_prefix_len": w.shared_prefix_len,
+                              "shared_prefix_len": w.shared_prefix_len, "warmup": warmup,
                               "server_metrics": server.metrics_text()}
             current[0] = None
             if i == full and w.rate_search and rec["status"] == "ok":

@@ -15,22 +15,24 @@ _FASTEST_FIRST = ("grouped_mm", "eager")
 
 class HFTransformersAdapter(SystemAdapter):
     def server_command(self, serve) -> list[str]:
-        """`transformers serve` with continuous batching, the checkpoint preloaded (its serving extra)."""
-        import shutil
+        """`transformers serve` with continuous batching, the checkpoint preloaded (its serving extra), through
+        systems/hf_transformers/serve.py, which adds vLLM's `ignore_eos` to its completions (the load
+        generators force output lengths with it)."""
+        import sys
 
         from transformers.utils.import_utils import is_serve_available
 
         from systems.base import SystemUnavailable
 
-        exe = shutil.which("transformers")
-        if exe is None or not is_serve_available():
+        if not is_serve_available():
             raise SystemUnavailable("`transformers serve` needs its serving extra (openai, fastapi, uvicorn): "
                                     "pip install 'transformers[serving]'")
-        return [exe, "serve", "--continuous-batching", "--host", serve.host, "--port", str(serve.port),
-                self.model.path]
+        return [sys.executable, "-m", "systems.hf_transformers.serve", "serve", "--continuous-batching",
+                "--host", serve.host, "--port", str(serve.port), self.model.path]
 
     def server_notes(self) -> dict[str, Any]:
-        return {"server": "transformers serve --continuous-batching"}
+        return {"server": "transformers serve --continuous-batching (systems/hf_transformers/serve.py: with vLLM's "
+                          "ignore_eos)"}
 
     def load(self) -> None:
         import torch

@@ -113,6 +113,10 @@ def test_serving_run_end_to_end_with_guidellm(tmp_path):
     assert [t["rate"] for t in search["trials"]] == [search["capacity_req_s"]]
     assert all(t["requests"] == 64 for t in search["trials"])
     assert [s["name"] for s in search["slos"]] == ["mlperf", "scaled"]
+    # each trial also went to the run folder as it ended (a run stopped during the search keeps them)
+    kept = [json.loads(line) for line in (d / "rate_search_trials.jsonl").read_text().splitlines()]
+    assert [(k["rate"], k["ttft_p99_s"], k["within"]) for k in kept] == [
+        (t["rate"], t["ttft_p99_s"], t["within"]) for t in search["trials"]]
     assert search["slos"][1]["ttft_p99_s"] == pytest.approx(3.0 * recs[0]["metrics"]["ttft_p50_s"])
     for name in ("mlperf", "scaled"):  # the headline is the highest rate measured within the limits, or none
         best = recs[2]["metrics"][f"max_rate_{name}_slo"]

@@ -346,17 +346,21 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
                 continue
             yield rec
         if held is not None:
-            yield _with_search(held, levels, job, w, unloaded, progress, current, full)
+            yield _with_search(held, levels, job, w, unloaded, progress, current, full, run_dir / TRIALS_FILE)
     finally:
         rc = server.stop(serve.drain_timeout_s + 30)
         if rc not in (0, -signal.SIGTERM):
             print(f"warning: the server exited with {rc}; see {server.log}", file=sys.stderr)
 
 
+TRIALS_FILE = "rate_search_trials.jsonl"  # in the run folder: each trial as it ends
+
+
 def _with_search(rec: dict, levels: _Levels, job: Job, w, unloaded: dict | None, progress, current: list,
-                 index: int) -> dict:
+                 index: int, trials_file: Path) -> dict:
     """rec (the largest concurrency's) with the rate search's answer: per SLO the highest Poisson rate whose p99
-    TTFT and TPOT stayed within it, starting from this level's request throughput."""
+    TTFT and TPOT stayed within it, starting from this level's request throughput. Each trial is also appended to
+    trials_file as it ends (the search takes minutes a rate: a run stopped half-way keeps the trials it made)."""
     point = job.points[index]
     if unloaded is None:  # no one-stream level in this run: measure the unloaded latency for the scaled SLO
         progress.note("guidellm: 1 stream (unloaded latency)")
@@ -367,7 +371,13 @@ def _with_search(rec: dict, levels: _Levels, job: Job, w, unloaded: dict | None,
 
     def measure(rate: float):
         progress.note(f"rate search: {rate:.3g} requests/s")
-        return levels.trial(point, rate)
+        trial = levels.trial(point, rate)
+        line = {"system": job.system["name"], "point": point, "capacity_req_s": capacity, "rate": trial.rate,
+                "requests": trial.requests, "ttft_p99_s": trial.ttft_p99_s, "tpot_p99_s": trial.tpot_p99_s,
+                "within": {s.name: s.met(trial) for s in limits}, **trial.extra}
+        with trials_file.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        return trial
 
     try:
         trials, brackets = rate_search.search(measure, capacity, limits, max_trials=w.rate_search)

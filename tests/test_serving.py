@@ -33,8 +33,32 @@ def test_metrics_follow_vllms_definitions():
     assert m["ttft_p50_s"] == pytest.approx(0.3) and m["ttft_s"] == pytest.approx(3.4 / 3)
     assert m["goodput"] == pytest.approx(2 / 5)  # the third misses the TTFT SLO
     assert m["e2e_tok_s"] == pytest.approx((43 / 3) / (7.4 / 3))
+    assert m["arrival_rate_req_s"] == pytest.approx(2 / 1.0)  # 3 sent in 1 s (the errored one has no start)
     with pytest.raises(RuntimeError, match="completed no request"):
         metrics_from_guidellm({"benchmarks": [{"requests": {"successful": [], "errored": [{}]}}]}, 1, 1)
+
+
+def test_a_rate_level_sent_off_its_schedule_is_measured_again():
+    from runners.serving import workload
+
+    levels = object.__new__(workload._Levels)
+    sent = iter([0.25, 0.11])  # a burst at 2.5x the asked 0.1 requests/s, then as asked
+
+    def measure(point, rate):
+        return {"arrival_rate_req_s": next(sent), "requests": 64, "ttft_p99_s": 1.0, "tpot_p99_s": 0.1,
+                "request_throughput": 0.1, "output_tok_s": 6.4, "ttft_p50_s": 0.5, "tpot_p50_s": 0.05,
+                "failed_requests": 0, "load_generator_cpu_s": 1.0}, {}
+
+    levels.measure = measure
+    t = levels.trial({"concurrency": 16}, 0.1)
+    assert t.extra["arrival_rate_req_s"] == 0.11 and t.extra["arrivals_as_asked"]
+    assert [x["arrival_rate_req_s"] for x in t.extra["set_aside"]] == [0.25]
+    levels.measure = lambda point, rate: ({**measure(point, rate)[0], "arrival_rate_req_s": 0.3}, {})
+    sent = iter([0.3, 0.3])
+    t = levels.trial({"concurrency": 16}, 0.1)  # off twice: the second stands, marked
+    assert not t.extra["arrivals_as_asked"] and len(t.extra["set_aside"]) == 1
+    assert workload.arrivals_as_asked({"arrival_rate_req_s": None}, 0.1)
+    assert workload.arrivals_as_asked({"arrival_rate_req_s": 0.1 / 1.4}, 0.1)
 
 
 def test_serving_points_carry_their_concurrency_and_other_points_do_not():

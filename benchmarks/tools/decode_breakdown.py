@@ -107,8 +107,7 @@ def instrumented(engine: Engine, clock: Clock):
     import fiddler.kernels.decode as kdec
     for attr, name in (("_rmsnorm", "fk_rmsnorm_bf16"), ("_rope_attn", "fk_rope_attn_decode_bf16"),
                        ("_rope_attn_rows", "fk_rope_attn_decode_rows_bf16"), ("_block", "fk_decode_attn_block_bf16"),
-                       ("_rmsnorm_f32", "fk_rmsnorm_f32"), ("_block_q", "fk_decode_attn_block_q"),
-                       ("_block_args", "fk_decode_attn_block_args")):
+                       ("_rmsnorm_f32", "fk_rmsnorm_f32"), ("_block_q", "fk_decode_attn_block_q")):
         if hasattr(kdec, attr):
             patch(kdec, attr, "C: " + name)
     import importlib

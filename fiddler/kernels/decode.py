@@ -18,8 +18,6 @@ Numerics against the torch ops: see fk_decode.cpp and tests/test_decode_fastpath
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import _lib
@@ -36,26 +34,8 @@ if _ok:
     _rope_attn = _lib.lib.fk_rope_attn_decode_bf16
     _rope_attn_rows = _lib.lib.fk_rope_attn_decode_rows_bf16
     _rmsnorm_f32 = _lib.lib.fk_rmsnorm_f32
-    _block_args = _lib.lib.fk_decode_attn_block_args
-
-
-class _BlockArgs(ctypes.Structure):
-    """csrc/fk_decode.cpp's DecodeBlockArgs, field for field (every field 8 bytes: no padding): one layer's
-    constant arguments of the decode block at one row count, laid out once so that a call passes five."""
-    _fields_ = [(n, ctypes.c_int64) for n in ("fmt", "B", "hidden")] + \
-        [(n, ctypes.c_void_p) for n in ("norm1", "norm2", "qkv_w", "qkv_bias", "q_norm", "k_norm", "o_w", "o_bias",
-                                        "router_w")] + \
-        [(n, ctypes.c_int64) for n in ("n_experts", "nh", "nkv", "d")] + \
-        [(n, ctypes.c_void_p) for n in ("cos", "sin", "kcache", "vcache")] + \
-        [(n, ctypes.c_int64) for n in ("max_batch", "max_seq", "window")] + \
-        [(n, ctypes.c_double) for n in ("eps", "scale")] + \
-        [(n, ctypes.c_void_p) for n in ("h", "qkv", "att", "o", "x_out", "h2", "logits")]
-
-
-if _ok and ctypes.sizeof(_BlockArgs) != _lib.lib.fk_decode_block_args_size():
-    _ok = False
-    _error = (f"fiddler.kernels.decode: the library's DecodeBlockArgs is {_lib.lib.fk_decode_block_args_size()} "
-              f"bytes, the binding's {ctypes.sizeof(_BlockArgs)}: rebuild the library")
+    _block = _lib.lib.fk_decode_attn_block_bf16
+    _block_q = _lib.lib.fk_decode_attn_block_q
 
 
 def is_available() -> bool:
@@ -313,7 +293,6 @@ class DecodeBlock:
                                  self.experts if router is not None else 0,
                                  qn.data_ptr() if qn is not None else None, kn.data_ptr() if kn is not None else None))
         self._bufs: dict[int, tuple] = {}
-        self._records: dict[int, list[_BlockArgs]] = {}
 
     def _buffers(self, B: int) -> tuple:
         """This block's own scratch and outputs for B rows (reused every call: valid until the next): h, qkv,
@@ -325,20 +304,8 @@ class DecodeBlock:
             shapes = (((B, H), act), ((B, a.width), _BF16), ((B, a.nh * a.d), _BF16), ((B, H), _BF16),
                       ((B, H), _BF16), ((B, H), act), ((B, self.experts), _BF16))
             t = [torch.empty(s, dtype=dt) for s, dt in shapes]
-            ptrs = [x.data_ptr() for x in t]
-            records = [self._record(i, B, ptrs) for i in range(len(self._layers))]
-            self._records[B] = records  # kept alive here: the calls pass their addresses
-            b = self._bufs[B] = (t, ptrs, [ctypes.addressof(r) for r in records])
+            b = self._bufs[B] = (t, [x.data_ptr() for x in t])
         return b
-
-    def _record(self, i: int, B: int, ptrs: list[int]) -> _BlockArgs:
-        """Layer i's arguments at B rows (the order of fk_decode_attn_block_bf16's / _q's parameters)."""
-        a = self.attention
-        n1, n2, wqkv, bqkv, wo, bo, wr, experts, qn, kn = self._layers[i]
-        fmt = -1 if self.fmt is None else QUANT_FORMATS[self.fmt]
-        return _BlockArgs(fmt, B, self.hidden, n1, n2, wqkv, bqkv, qn, kn, wo, bo, wr, experts, a.nh, a.nkv, a.d,
-                          a._cos, a._sin, a._k[i], a._v[i], a.max_batch, a.max_seq, a.window, self.eps, a.scale,
-                          *ptrs)
 
     def __call__(self, layer: int, x: torch.Tensor, pos, rows, threads: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -349,6 +316,14 @@ class DecodeBlock:
                 or x.device.type != "cpu" or not 1 <= B <= a.max_batch):
             raise ValueError(f"x must be a contiguous CPU bf16 [1..{a.max_batch}, {self.hidden}], got "
                              f"{x.dtype} {tuple(x.shape)}")
-        (_, _, _, _, x_out, h2, logits), _, args = self._buffers(B)
-        _check(_block_args(args[layer], x.data_ptr(), pos, rows, threads))
-        return x_out, h2, logits if self._layers[layer][7] else None
+        (_, _, _, _, x_out, h2, logits), (h, qkv, att, o, px, ph2, pl) = self._buffers(B)
+        n1, n2, wqkv, bqkv, wo, bo, wr, experts, qn, kn = self._layers[layer]
+        if self.fmt is not None:
+            _check(_block_q(QUANT_FORMATS[self.fmt], x.data_ptr(), B, self.hidden, n1, n2, self.eps, wqkv, qn, kn, wo, a.nh,
+                            a.nkv, a.d, pos, rows, a._cos, a._sin, a._k[layer], a._v[layer], a.max_batch,
+                            a.max_seq, a.window, a.scale, h, qkv, att, o, px, ph2, threads))
+            return x_out, h2, None
+        _check(_block(x.data_ptr(), B, self.hidden, n1, n2, self.eps, wqkv, bqkv, qn, kn, wo, bo, wr, experts, a.nh,
+                      a.nkv, a.d, pos, rows, a._cos, a._sin, a._k[layer], a._v[layer], a.max_batch, a.max_seq,
+                      a.window, a.scale, h, qkv, att, o, px, ph2, pl, threads))
+        return x_out, h2, logits if experts else None

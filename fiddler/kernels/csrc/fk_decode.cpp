@@ -281,58 +281,6 @@ FK_API int fk_decode_attn_block_q(int fmt, const uint16_t* x, int64_t B, int64_t
   return fk_rmsnorm_f32(x_out, norm2, B, hidden, eps, h2);
 }
 
-// One layer's block arguments at one row count, laid out once by the caller (fiddler/kernels/decode.py's
-// _BlockArgs, field for field; every field 8 bytes, so no padding): a decode step then passes 5 arguments a
-// layer instead of 35 (ctypes converts each argument on every call, ~0.2 us apiece on a 2-vCPU EPYC).
-struct DecodeBlockArgs {
-  int64_t fmt;  // -1: bf16 projections (fk_decode_attn_block_bf16); else fk_decode_attn_block_q's fmt
-  int64_t B, hidden;
-  const void* norm1;
-  const void* norm2;
-  const void* qkv_w;
-  const float* qkv_bias;
-  const uint16_t* q_norm;
-  const uint16_t* k_norm;
-  const void* o_w;
-  const float* o_bias;
-  const void* router_w;
-  int64_t n_experts, nh, nkv, d;
-  const uint16_t* cos;
-  const uint16_t* sin;
-  uint16_t* kcache;
-  uint16_t* vcache;
-  int64_t max_batch, max_seq, window;
-  double eps, scale;  // passed on as the float the direct entry points take
-  void* h;
-  uint16_t* qkv;
-  uint16_t* att;
-  uint16_t* o;
-  uint16_t* x_out;
-  void* h2;
-  uint16_t* logits;
-};
-
-FK_API int64_t fk_decode_block_args_size() { return int64_t(sizeof(DecodeBlockArgs)); }
-
-// fk_decode_attn_block_bf16 / _q with the arguments of `args` (a DecodeBlockArgs): the same call, the same bits.
-FK_API int fk_decode_attn_block_args(const void* args, const uint16_t* x, const int64_t* pos, const int64_t* rows, int threads) {
-  if (!args) return fail("decode_attn_block_args: null pointer");
-  const DecodeBlockArgs& a = *static_cast<const DecodeBlockArgs*>(args);
-  const float eps = float(a.eps), scale = float(a.scale);
-  if (a.fmt < 0)
-    return fk_decode_attn_block_bf16(x, a.B, a.hidden, static_cast<const uint16_t*>(a.norm1),
-                                     static_cast<const uint16_t*>(a.norm2), eps, a.qkv_w, a.qkv_bias, a.q_norm,
-                                     a.k_norm, a.o_w, a.o_bias, a.router_w, a.n_experts, a.nh, a.nkv, a.d, pos, rows,
-                                     a.cos, a.sin, a.kcache, a.vcache, a.max_batch, a.max_seq, a.window, scale,
-                                     static_cast<uint16_t*>(a.h), a.qkv, a.att, a.o, a.x_out,
-                                     static_cast<uint16_t*>(a.h2), a.logits, threads);
-  return fk_decode_attn_block_q(int(a.fmt), x, a.B, a.hidden, static_cast<const float*>(a.norm1),
-                                static_cast<const float*>(a.norm2), eps, a.qkv_w, a.q_norm, a.k_norm, a.o_w, a.nh,
-                                a.nkv, a.d, pos, rows, a.cos, a.sin, a.kcache, a.vcache, a.max_batch, a.max_seq,
-                                a.window, scale, static_cast<float*>(a.h), a.qkv, a.att, a.o, a.x_out,
-                                static_cast<float*>(a.h2), threads);
-}
-
 // y = bf16(residual + moe) with moe = fk_moe_ffn(...) of the same arguments: the executor's decode row and
 // the model's residual add in one call (torch's bf16 add: fp32 sum rounded once), bit-identical to the
 // two. y [tokens, hidden] may not alias x or residual.

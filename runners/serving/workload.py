@@ -265,10 +265,10 @@ class _Levels:
             return self.job.model_path
 
     def trial(self, point: dict, rate: float) -> "rate_search.Trial":
-        """One rate of the search. A level whose requests were sent at a rate off its target by more than
-        ARRIVAL_TOLERANCE says nothing about that rate (guidellm 0.8.1 once completed a 0.071 requests/s level's 64
-        requests within 385 s, which its seeded schedule spreads over ~900 s: TTFT p99 96 s against 2.6 s at 0.1): it is measured again, once, and the record keeps
-        the one set aside."""
+        """One rate of the search. A level whose requests went out off its target rate by more than
+        ARRIVAL_TOLERANCE says nothing about that rate, so it is measured again, once, and the record keeps the one
+        set aside (guidellm 0.8.1 once completed a 0.071 requests/s level's 64 requests within 385 s, which its
+        seeded schedule spreads over ~900 s: TTFT p99 96 s against 2.6 s at 0.1)."""
         m, _ = self.measure(point, rate)
         set_aside = []
         if not arrivals_as_asked(m, rate):

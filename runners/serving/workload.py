@@ -340,7 +340,6 @@ def measure_all(job: Job, todo: list[int], conf, progress, current: list):
                          server)
         current[0] = todo[0]  # the warm-up is the first level's: a run stopped during it records that level
         warmup = levels.warm_up(points[0], progress)  # interrupted, as a stop during the level itself does
-        current[0] = None
         full = max((i for i in todo if job.points[i].get("concurrency")), default=None,
                    key=lambda i: job.points[i]["concurrency"])
         unloaded: dict | None = None

@@ -64,6 +64,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -297,6 +298,19 @@ def reference_build(commit: str, dest: Path) -> str | None:
     return export_build(commit, dest, ROOT)
 
 
+def nodes_in(root: Path, nodes: list[str]) -> list[str]:
+    """The benchmark test node ids (file::function[params]) whose file defines that function in the tree at
+    root: a reference build older than a benchmark lacks its node, and pytest given one missing node runs none
+    (exit 4)."""
+    have = []
+    for node in nodes:
+        parts = node.split("::")
+        f, name = root / parts[0], parts[-1].split("[", 1)[0] if len(parts) > 1 else ""
+        if name and f.is_file() and re.search(rf"^\s*def {re.escape(name)}\(", f.read_text(), re.M):
+            have.append(node)
+    return have
+
+
 def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[dict]:
     """The last word on a ratio whose every reading crossed its floor: its benchmark on the reference
     build (a commit that met every floor, floors.yaml's 'reference') and on this one, AB_ROUNDS rounds
@@ -321,6 +335,13 @@ def side_by_side(rows: list[dict], reference: dict | None, quick: bool) -> list[
         if why:
             print(f"regress: no side-by-side check: {why}", file=sys.stderr)
             return rows
+        lacking = [n for n in nodes if n not in nodes_in(Path(tmp), nodes)]
+        if lacking:  # those ratios stay failed: there is nothing to compare them with
+            print(f"regress: the reference build {commit[:12]} has no {', '.join(lacking)}; its ratios stay failed "
+                  "(floors.yaml's 'reference' must be a build that has every benchmark)", file=sys.stderr)
+            nodes = [n for n in nodes if n not in lacking]
+            if not nodes:
+                return rows
         sides = ((Path(tmp), theirs), (ROOT, ours))
         for k in range(AB_ROUNDS):
             got_round: dict[int, dict[str, float]] = {}

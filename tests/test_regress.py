@@ -41,11 +41,14 @@ def regress(tmp_path, monkeypatch):
                    "what": n, "sides": {}, "test": f"benchmarks/test_x.py::test_{n}",
                    **({"path": readings["paths"][n]} if n in readings.get("paths", {}) else {})}
                   for n, v in values.items()]
+        if nodes is not None:  # pytest runs only the nodes given
+            ratios = [r for r in ratios if r["test"] in nodes]
         return ratios, readings["skipped"], 0
 
     monkeypatch.setattr(mod, "run_suite", fake_suite)
     monkeypatch.setattr(mod, "reference_build", lambda commit, dest: readings.setdefault("built", []).append(commit)
                         or readings.get("build_error"))
+    monkeypatch.setattr(mod, "nodes_in", lambda root, nodes: [n for n in nodes if n not in readings.get("ref_lacks", ())])
     git_answers = {"status": " M fiddler/x.py", "rev-parse": "c0ffee" * 6 + "abcd"}  # dirty: no reference
     monkeypatch.setattr(mod, "git", lambda *a: git_answers[a[0]])
     readings["git"] = git_answers
@@ -215,6 +218,35 @@ def test_a_ratio_crossing_at_every_reading_is_judged_side_by_side_with_the_refer
     assert regress.main(["--quick", "--class", "avx512"]) == 1
     cap = capsys.readouterr()
     assert "no side-by-side check: building c0ffee failed" in cap.err and "FAILED k_up" in cap.err
+
+
+def test_a_benchmark_the_reference_lacks_stays_failed_and_the_others_are_still_judged(regress, capsys):
+    """CI once could not run the side-by-side at all: the reference build predated one crossing ratio's
+    benchmark, and pytest given one missing node runs none (exit 4)."""
+    regress.readings["git"]["status"] = ""
+    for _ in range(3):
+        regress.main(["--quick", "--update", "--class", "avx512"])
+    capsys.readouterr()
+    regress.readings["values"] = {"k_up": 0.6, "p_down": 0.2}
+    regress.readings["ref_values"] = {"k_up": 0.61, "p_down": 0.2}
+    regress.readings["ref_lacks"] = ["benchmarks/test_x.py::test_p_down"]
+    assert regress.main(["--quick", "--class", "avx512"]) == 1
+    cap = capsys.readouterr()
+    assert all(run == ["benchmarks/test_x.py::test_k_up"] for run in regress.readings["ref_runs"])
+    assert "has no benchmarks/test_x.py::test_p_down; its ratios stay failed" in cap.err
+    assert "FAILED p_down" in cap.err and "FAILED k_up" not in cap.err
+
+
+def test_nodes_in_finds_a_benchmark_by_its_file_and_function(tmp_path):
+    spec = importlib.util.spec_from_file_location("regress_nodes_in", ROOT / "scripts" / "regress.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    real = mod.nodes_in
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "test_a.py").write_text("def test_one(x):\n    pass\n\n\n    def test_inner():\n")
+    nodes = ["benchmarks/test_a.py::test_one[4]", "benchmarks/test_a.py::TestK::test_inner", "benchmarks/test_a.py::test_two",
+             "benchmarks/test_b.py::test_one"]
+    assert real(tmp_path, nodes) == ["benchmarks/test_a.py::test_one[4]", "benchmarks/test_a.py::TestK::test_inner"]
 
 
 def test_side_by_side_is_judged_round_by_round_not_by_one_quiet_moment(regress, capsys):
@@ -416,7 +448,7 @@ def test_measure_prints_one_json_line_of_the_ratios_and_judges_nothing(regress, 
     assert regress.main(["--quick", "--measure", "k_up", "--node", node, "--root", str(tmp_path / "tree")]) == 0
     cap = capsys.readouterr()
     line = json.loads(cap.out.strip().splitlines()[-1])
-    assert line["k_up"] == 1.0 and line["p_down"] == 0.1 and line["root"] == str((tmp_path / "tree").resolve())
+    assert line["k_up"] == 1.0 and "p_down" not in line and line["root"] == str((tmp_path / "tree").resolve())
     assert calls == [(True, [node], (tmp_path / "tree").resolve())] and "k_up = 1 in" in cap.err
     assert not regress.FLOORS.exists()  # nothing recorded
     regress.readings["values"] = {"k_up": 0.01}  # far below any floor: still only measured

@@ -87,6 +87,21 @@ def test_the_servers_histogram_over_the_load_is_interpolated_as_prometheus_does(
     assert server_itl(None, after)["itl_server_n"] == 105  # no reading before: since the server started
 
 
+def test_vllms_histogram_is_read_summed_over_its_engines():
+    """vLLM exports vllm:inter_token_latency_seconds with labels per model and engine (le not first): one
+    histogram, summed by le as Prometheus does."""
+    def text(counts):
+        return "".join(f'vllm:inter_token_latency_seconds_bucket{{engine="{e}",le="{le}",model_name="m"}} {c}.0\n'
+                       for e, per in enumerate(counts) for le, c in zip(("0.02", "0.1", "+Inf"), per))
+
+    before, after = text([(0, 0, 0), (0, 0, 0)]), text([(10, 30, 30), (10, 50, 50)])
+    assert histogram(after, "vllm:inter_token_latency_seconds") == {0.02: 20, 0.1: 80, math.inf: 80}
+    m = server_itl(before, after)
+    assert m["itl_server_n"] == 80 and m["itl_server_p50_s"] == pytest.approx(0.02 + 0.08 * 20 / 60)
+    both = METRICS_BEFORE + after  # Fiddler's own comes first where a text has both
+    assert server_itl(None, both)["itl_server_n"] == 5
+
+
 def test_the_table_shows_itl_beside_the_servers():
     rec = {"system": "fiddler", "model": "m", "workload": "serving", "environment": "local", "mode": "execute",
            "status": "ok", "time": "t", "point": {"input_len": 8, "output_len": 4, "beam_width": 1, "concurrency": 2},

@@ -20,7 +20,8 @@ from typing import Iterable
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
-SERVER_HISTOGRAMS = ("fiddler_inter_token_latency_seconds",)  # the servers' ITL histograms this reads
+# the servers' ITL histograms this reads, the first a server exports: Fiddler's, vLLM's (labelled per model and engine)
+SERVER_HISTOGRAMS = ("fiddler_inter_token_latency_seconds", "vllm:inter_token_latency_seconds")
 
 
 @dataclass(frozen=True)
@@ -95,15 +96,17 @@ _BUCKET = re.compile(r'^(?P<name>[A-Za-z_:][\w:]*)_bucket\{(?:[^}]*,)?le="(?P<le
 
 
 def histogram(text: str | None, name: str) -> dict[float, float] | None:
-    """Cumulative counts by upper bound (le; +Inf as math.inf) of histogram `name` in a /metrics text; None
-    where the text has none."""
+    """Cumulative counts by upper bound (le; +Inf as math.inf) of histogram `name` in a /metrics text, summed
+    over its label sets (Prometheus' sum by (le): vLLM labels each engine's series); None where the text has
+    none."""
     if not text:
         return None
     out: dict[float, float] = {}
     for line in text.splitlines():
         m = _BUCKET.match(line)
         if m and m["name"] == name:
-            out[math.inf if m["le"] == "+Inf" else float(m["le"])] = float(m["v"])
+            le = math.inf if m["le"] == "+Inf" else float(m["le"])
+            out[le] = out.get(le, 0.0) + float(m["v"])
     return out or None
 
 
@@ -126,15 +129,18 @@ def quantile(q: float, cumulative: dict[float, float]) -> float | None:
     return lower
 
 
+def exported_histogram(text: str | None) -> str | None:
+    """The first of SERVER_HISTOGRAMS that a /metrics text has; None where it has none."""
+    return next((name for name in SERVER_HISTOGRAMS if histogram(text, name) is not None), None)
+
+
 def server_itl(before: str | None, after: str | None) -> dict | None:
     """The server's ITL over the load (its histogram after minus before): p50/p90/p99, bucket-interpolated, with
     N; None where the server exports none."""
-    for name in SERVER_HISTOGRAMS:
-        end = histogram(after, name)
-        if end is None:
-            continue
-        start = histogram(before, name) or {}
-        delta = {b: v - start.get(b, 0.0) for b, v in end.items()}
-        out = {f"itl_server_p{q}_s": quantile(q / 100, delta) for q in PERCENTILES}
-        return {**out, "itl_server_n": int(delta.get(math.inf, 0))}
-    return None
+    name = exported_histogram(after)
+    if name is None:
+        return None
+    end, start = histogram(after, name), histogram(before, name) or {}
+    delta = {b: v - start.get(b, 0.0) for b, v in end.items()}
+    out = {f"itl_server_p{q}_s": quantile(q / 100, delta) for q in PERCENTILES}
+    return {**out, "itl_server_n": int(delta.get(math.inf, 0))}

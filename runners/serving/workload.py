@@ -246,13 +246,14 @@ class _Levels:
         except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
             return {}, {"status": "error", "reason": api_key_scrub(f"{type(e).__name__}: {e}", self.api_key)[:2000]}
         metrics = {**itl.client_itl(streams), "itl_failed_requests": failed, "itl_load_generator_cpu_s": cpu_s}
-        server = itl.server_itl(before, self.server.metrics_text())
+        after = self.server.metrics_text()
+        server = itl.server_itl(before, after)
         facts = {"status": "ok", "load_generator": f"aiperf {aiperf.version(cmd)}",
                  "profile": f"concurrent, {point['concurrency']} streams, {n} requests (the guidellm level's load, "
                             "again)",
                  "definition": "ITL: the gaps between consecutive streamed events carrying generated text, every "
                                "request's, vLLM's; itl_n gaps, itl_tokens_minus_one the tokens they span",
-                 "server_histogram": (itl.SERVER_HISTOGRAMS[0] + " (after minus before the aiperf run, quantiles "
+                 "server_histogram": (f"{itl.exported_histogram(after)} (after minus before the aiperf run, quantiles "
                                       "interpolated within buckets)") if server else None}
         return {**metrics, **(server or {})}, facts
 

@@ -54,6 +54,6 @@ def test_no_worse_reports_the_gap_and_its_standard_error():
     assert r["top1_gap_pp"] == pytest.approx(-10.0)
     assert r["top1_gap_se_pp"] == pytest.approx(100 * math.sqrt(0.8 * 0.2 / 400 + 0.9 * 0.1 / 400))
     assert r["kl_ratio"] == pytest.approx(0.5)
-    md = mod._fair_markdown([{"model": "m", "quant": "q4_0", **r}])
-    assert "| m | q4_0 | -10.0 ± 2.5 pp | 0.50 | not met (top-1 agreement lower) |" in md
+    md = mod._fair_markdown([{"model": "m", "quant": "q4_0", "reference": "transformers", **r}])
+    assert "| m | q4_0 | transformers | -10.0 ± 2.5 pp | 0.50 | not met (top-1 agreement lower) |" in md
     assert mod._fair_markdown([]) == ""

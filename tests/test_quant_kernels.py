@@ -4,6 +4,7 @@ against an fp64 reference computed from the dequantized weights: odd sizes, 1..2
 AVX2-only path under an emulated Haswell."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -295,3 +296,33 @@ def test_quantized_path_runs_on_haswell_without_avx512():
                        text=True, timeout=600, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "QISA avx2" in r.stdout
+
+
+_PATHS = """
+import json
+import fiddler.kernels as fk
+print("PATHS", json.dumps({"vector": fk.isa(), "quant": fk.quant.mode()["isa"], "features": fk.features()}))
+"""
+
+
+def _paths(**env) -> dict:
+    r = subprocess.run([sys.executable, "-c", _PATHS], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.split("PATHS", 1)[1])
+
+
+def test_the_quantized_path_is_the_cpus_best_unless_the_vector_path_was_set_below_it():
+    """The quantized kernel needs VNNI, not BF16: a CPU with AVX512-VNNI and no AVX512-BF16 (Cascade and Ice Lake,
+    a VM hiding BF16) ran its bf16 experts on AVX2 and, capped by that, its quantized ones on AVX2 too (0.17-0.19
+    of the quantized roofline at 16 tokens on such an Intel Xeon). A vector path set below the CPU's best still
+    takes the quantized one down with it (FIDDLER_KERNEL_ISA as a proxy for another CPU class)."""
+    auto = _paths(FIDDLER_KERNEL_ISA=None)
+    f = auto["features"]
+    best = ("avx512_vnni" if all(f[k] for k in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "os_avx512", "f16c"))
+            else "avx2" if all(f[k] for k in ("avx2", "fma", "os_avx", "f16c")) else "generic")
+    assert auto["vector"] == f["best_isa"]
+    assert auto["quant"] == best
+    forced = _paths(FIDDLER_KERNEL_ISA="generic")  # below every x86 CPU's best
+    assert forced["vector"] == "generic"
+    assert forced["quant"] == ("generic" if f["best_isa"] != "generic" else best)

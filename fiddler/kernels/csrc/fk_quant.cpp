@@ -269,8 +269,16 @@ const QuantOps& qops() {
 }
 }  // namespace
 
+// The automatic quantized path: this CPU's best, which needs no AVX512-BF16 (an Intel Cascade or Ice Lake, or a
+// VM that hides BF16, runs the bf16 experts on AVX2 and the quantized ones on VNNI); a vector path set below the
+// CPU's best (FIDDLER_KERNEL_ISA=avx2 on an AVX-512 CPU, a proxy for another CPU class) takes it down with it.
+static int auto_qisa() {
+  const int vector = current_isa();
+  return vector < best_isa() ? std::min(best_qisa(), vector) : best_qisa();
+}
+
 int set_qmode(int mode, int isa) {
-  if (isa < 0) isa = std::min(best_qisa(), current_isa());
+  if (isa < 0) isa = auto_qisa();
   if (isa > kIsaAvx512) return fail("unknown ISA code " + std::to_string(isa));
   if (isa == kIsaAvx512 && !has_avx512_quant())
     return fail("this CPU (or OS) has no AVX512 VNNI (needs avx512f/bw/vl/vnni, f16c) for the quantized path");

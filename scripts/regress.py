@@ -9,7 +9,8 @@ alike. Floors are kept per kernel path class (cpu_class: "amx" for AVX512-BF16 C
 picks its own class) and within a class per CPU (vendor, model name, family and model). A "higher" ratio
 passes at or above its floor; a "lower" one (the planner's time in units of a fixed Python workload) at or
 below its ceiling. A ratio its benchmark marks "report_only" (one that means nothing on the path that ran:
-kernel_vs_limit where the expert is compute-bound) is printed and recorded, never floored.
+kernel_vs_limit where the expert is compute-bound) is printed and recorded, never floored (--update drops a floor
+it had before).
 
     python scripts/regress.py --quick          # CI: tiny model + one Mixtral-size expert (a few minutes)
     python scripts/regress.py                  # small_mixtral, more rounds
@@ -447,7 +448,13 @@ def update(data: dict, table: dict, ratios: list[dict], load: float | None = Non
         by_cpu: dict[str, list[float]] = {}
         for x in kept:
             by_cpu.setdefault(x["cpu"], []).append(x["value"])
-        if len(by_cpu[me]) < UPDATE_WINDOW or r.get("report_only"):
+        if r.get("report_only"):  # its path makes it meaningless (a class is a path): a floor it had goes
+            if e.get("floor") is not None or e.get("cpu_floors"):
+                changes.append(f"{r['name']}: floor {e.get('floor')} -> None (reported, not floored: {r['report_only']})")
+            e["floor"] = None
+            e.pop("cpu_floors", None)
+            continue
+        if len(by_cpu[me]) < UPDATE_WINDOW:
             continue
         margin = float(e.get("margin", data.get("margin", 0.15)))
         higher = r["direction"] == "higher"

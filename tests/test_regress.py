@@ -352,19 +352,27 @@ def test_committed_floors_cover_every_path_class():
     data = yaml.safe_load((ROOT / "results" / "regression" / "floors.yaml").read_text())
     floored = ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "engine_decode_vs_transformers",
                "planner_vs_python_makespan_e128k8_t1", "batch_decode16_vs_1")
-    for cls, names in (("amx", floored + ("kernel_vs_limit_t64",)), ("avx512_bf16", floored),
-                       ("avx2", floored + ("kernel_vs_limit_t64",))):
+    for cls, names in (("amx", floored + ("kernel_vs_limit_t64",)), ("avx512_bf16", floored), ("avx2", floored)):
         quick = data["classes"][cls]["quick"]
         for name in names:
             assert quick[name]["floor"] is not None, (cls, name)
-    # compute-bound on vdpbf16ps: reported there, never floored (benchmarks/test_kernel_ratios.py)
-    assert data["classes"]["avx512_bf16"]["quick"]["kernel_vs_limit_t64"]["floor"] is None
-    # every reading of a class ran its path (a forced path says so in the reading's CPU)
+    # compute-bound on vdpbf16ps from 64 tokens and on AVX2 from 16: reported there, never floored
+    # (benchmarks/test_kernel_ratios.py COMPUTE_BOUND_FROM)
+    from benchmarks.test_kernel_ratios import COMPUTE_BOUND_FROM, TOKENS
+
+    for cls, start in COMPUTE_BOUND_FROM.items():
+        for t in (t for t in TOKENS if t >= start):
+            e = data["classes"][cls]["quick"].get(f"kernel_vs_limit_t{t}", {})
+            assert e.get("floor") is None and not e.get("cpu_floors"), (cls, t)
+    # every reading of a class ran its path (a forced path says so in the reading's CPU); the quantized experts
+    # take the CPU's best quantized path, which needs VNNI, not BF16: an avx2-class CPU may run them on VNNI
     paths = {"amx": ("avx512_bf16", "avx512_vnni"), "avx512_bf16": ("avx512_bf16", "avx512_vnni"), "avx2": ("avx2",)}
     for cls, ok in paths.items():
         for name, e in data["classes"][cls]["quick"].items():
+            allowed = ok + ("avx512_vnni",) if name.startswith("quant_") else ok
             for x in e["readings"]:
-                assert x.get("path") is None or x["path"].startswith(ok), (cls, name, x)
+                assert x.get("path") is None or x["path"].startswith(allowed), (cls, name, x)
+                assert cls != "avx2" or "+amx" not in (x.get("path") or ""), (cls, name, x)
                 assert cls != "avx512_bf16" or "+amx" not in (x.get("path") or ""), (cls, name, x)
 
 
@@ -391,6 +399,30 @@ def test_a_report_only_ratio_is_recorded_and_printed_but_never_floored(regress, 
     out = capsys.readouterr().out
     assert "report" in out and "reported, not floored: compute-bound on avx512_bf16 from 64 tokens" in out
     assert regress.readings["reruns"] == []
+
+
+def test_a_floored_ratio_that_its_path_makes_report_only_loses_its_floor_at_the_next_update(regress, capsys):
+    """kernel_vs_limit at 16+ tokens on the AVX2 path had floors before its benchmark marked it report_only there:
+    --update drops them (the class's and every CPU's own) and says so, rather than keep a floor nothing reads."""
+    regress.readings["values"] = {"k_up": 1.0, "p_down": 0.1, "k_limit": 0.09}
+    for _ in range(3):
+        assert regress.main(["--quick", "--update", "--class", "avx2"]) == 0
+    f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx2"]["quick"]
+    assert f["k_limit"]["floor"] is not None and f["k_limit"]["cpu_floors"]
+    capsys.readouterr()
+    real = regress.run_suite
+
+    def suite(*a, **kw):
+        ratios, skipped, rc = real(*a, **kw)
+        return [{**r, "report_only": "compute-bound on avx2 from 16 tokens"} if r["name"] == "k_limit" else r
+                for r in ratios], skipped, rc
+
+    regress.run_suite = suite
+    assert regress.main(["--quick", "--update", "--class", "avx2"]) == 0
+    assert "k_limit: floor 0.0765 -> None (reported, not floored: compute-bound on avx2" in capsys.readouterr().out
+    f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx2"]["quick"]
+    assert f["k_limit"]["floor"] is None and "cpu_floors" not in f["k_limit"] and len(f["k_limit"]["readings"]) == 4
+    assert f["k_up"]["floor"] is not None
 
 
 def test_a_cpu_without_floors_of_its_own_goes_straight_to_one_side_by_side_run(regress, capsys, monkeypatch):

@@ -376,18 +376,22 @@ def test_committed_floors_cover_every_path_class():
                 assert cls != "avx512_bf16" or "+amx" not in (x.get("path") or ""), (cls, name, x)
 
 
-def test_a_report_only_ratio_is_recorded_and_printed_but_never_floored(regress, capsys):
-    """kernel_vs_limit at 64+ tokens on vdpbf16ps reads the compute peak, not the stream: its benchmark
-    marks it report_only, and no reading, however low, fails or seeds a floor."""
-    regress.readings["values"] = {"k_up": 1.0, "p_down": 0.1, "k_limit": 0.09}
+def _mark_report_only(regress, name: str, why: str) -> None:
+    """The fake suite's reading of `name` marked report_only, as a benchmark marks a ratio its path makes meaningless."""
     real = regress.run_suite
 
     def suite(*a, **kw):
         ratios, skipped, rc = real(*a, **kw)
-        return [{**r, "report_only": "compute-bound on avx512_bf16 from 64 tokens"} if r["name"] == "k_limit" else r
-                for r in ratios], skipped, rc
+        return [{**r, "report_only": why} if r["name"] == name else r for r in ratios], skipped, rc
 
     regress.run_suite = suite
+
+
+def test_a_report_only_ratio_is_recorded_and_printed_but_never_floored(regress, capsys):
+    """kernel_vs_limit at 64+ tokens on vdpbf16ps reads the compute peak, not the stream: its benchmark
+    marks it report_only, and no reading, however low, fails or seeds a floor."""
+    regress.readings["values"] = {"k_up": 1.0, "p_down": 0.1, "k_limit": 0.09}
+    _mark_report_only(regress, "k_limit", "compute-bound on avx512_bf16 from 64 tokens")
     for _ in range(3):
         assert regress.main(["--quick", "--update", "--class", "avx512_bf16"]) == 0
     f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx512_bf16"]["quick"]
@@ -410,14 +414,7 @@ def test_a_floored_ratio_that_its_path_makes_report_only_loses_its_floor_at_the_
     f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx2"]["quick"]
     assert f["k_limit"]["floor"] is not None and f["k_limit"]["cpu_floors"]
     capsys.readouterr()
-    real = regress.run_suite
-
-    def suite(*a, **kw):
-        ratios, skipped, rc = real(*a, **kw)
-        return [{**r, "report_only": "compute-bound on avx2 from 16 tokens"} if r["name"] == "k_limit" else r
-                for r in ratios], skipped, rc
-
-    regress.run_suite = suite
+    _mark_report_only(regress, "k_limit", "compute-bound on avx2 from 16 tokens")
     assert regress.main(["--quick", "--update", "--class", "avx2"]) == 0
     assert "k_limit: floor 0.0765 -> None (reported, not floored: compute-bound on avx2" in capsys.readouterr().out
     f = yaml.safe_load(regress.FLOORS.read_text())["classes"]["avx2"]["quick"]

@@ -61,7 +61,8 @@ def test_quant_kernel(benchmark, quant_experts, rounds, tokens):
     # the compute peak right after, best of its own rounds (inside the rounds above it would run just
     # before the limit and the kernel of the next round and change what they read)
     peak_s = min(peak.best_s() for _ in range(rounds))
-    common = dict(path=fq.path(tokens, fmt), weight_bytes=e0.nbytes, tokens=tokens)
+    common = dict(path=fq.path(tokens, fmt), weight_bytes=e0.nbytes, tokens=tokens,
+                  pass_tokens=fq.pass_tokens()["tokens"])  # the per-CPU pass setting (9-16 tokens on VNNI)
     if tokens == 1:
         record_ratio(benchmark, f"quant_{fmt}_vs_limit_t1", best["limit_s"] / best["kernel_s"], "higher", best,
                      f"{fmt} expert GB/s / independent read limit GB/s, 1 token ({common['path']})",

@@ -44,6 +44,7 @@ def _restore_mode():
     yield
     fq.set_mode("auto")
     fq.set_amx("auto")
+    fq.set_pass_tokens()
 
 
 def use(mode: str, isa: str) -> None:
@@ -182,6 +183,42 @@ def test_tiles_give_the_vector_paths_bits(tiles, fmt):
         outs[isa] = [(lin(x[:t], out_dtype=torch.float32), e(xe[:t])) for t in (1, 3, 4, 15, 16, 17, 35)]
     for (ly, ey), (lt, et) in zip(outs["avx512_vnni"], outs[tiles]):
         assert torch.equal(ly, lt) and torch.equal(ey, et)
+
+
+@pytest.mark.skipif(not (FEATS.get("avx512_vnni") and FEATS.get("avx512bw") and FEATS.get("os_avx512")),
+                    reason="no AVX512-VNNI")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_pass_or_two_give_the_same_bits(fmt):
+    """The AVX-512 VNNI kernel takes 9-16 tokens a call in one pass or in two (set_pass_tokens: the per-CPU
+    speed choice); the int32 sums are exact and every token's fp32 steps are the same, so linears and experts
+    give the same bits either way at every token count."""
+    g = torch.Generator().manual_seed(13)
+    lin = fq.QuantLinear.from_float(torch.randn(37, 200, generator=g) / 200**0.5, fmt)
+    e = fq.QuantExpert.from_float(torch.randn(72, 40, generator=g) / 40**0.5, torch.randn(72, 40, generator=g) / 40**0.5,
+                                  torch.randn(40, 72, generator=g) / 72**0.5, fmt)
+    x = torch.randn(35, 200, generator=g).to(torch.bfloat16)
+    xe = torch.randn(35, 40, generator=g).to(torch.bfloat16)
+    use("a8", "avx512_vnni")
+    outs = {}
+    for tokens in (8, 16):
+        assert fq.set_pass_tokens(tokens) == {"tokens": tokens, "source": "set_pass_tokens"}
+        outs[tokens] = [(lin(x[:t], out_dtype=torch.float32), e(xe[:t])) for t in (1, 8, 9, 12, 15, 16, 17, 35)]
+    for (l8, e8), (l16, e16) in zip(outs[8], outs[16]):
+        assert torch.equal(l8, l16) and torch.equal(e8, e16)
+
+
+def test_pass_tokens_are_reported_and_validated():
+    default = fq.set_pass_tokens()
+    assert default["tokens"] in (8, 16) and default["source"].startswith("table: ")
+    for bad in (0, 4, 12, 32, True, 8.0):
+        with pytest.raises(ValueError, match="8 or 16"):
+            fq.set_pass_tokens(bad)
+    assert fq.pass_tokens() == default  # a refused setting changes nothing
+    assert fq.set_pass_tokens(8, source="a test")["source"] == "a test"
+    env = {**os.environ, "FIDDLER_KERNEL_QPASS": "8" if default["tokens"] == 16 else "16"}
+    out = subprocess.run([sys.executable, "-c", "from fiddler.kernels import quant; print(quant.pass_tokens())"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"'tokens': {env['FIDDLER_KERNEL_QPASS']}, 'source': 'FIDDLER_KERNEL_QPASS'" in out
 
 
 def test_amx_modes_are_reported_and_validated():

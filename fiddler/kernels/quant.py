@@ -30,7 +30,7 @@ from .tuning import tune_amx
 _L = _lib.L
 
 __all__ = ["FORMATS", "BLOCK_BYTES", "quantize", "dequantize", "QuantLinear", "QuantExpert", "moe_ffn",
-           "set_mode", "mode", "set_amx", "amx", "path", "tune_amx", "row_bytes"]
+           "set_mode", "mode", "set_amx", "amx", "set_pass_tokens", "pass_tokens", "path", "tune_amx", "row_bytes"]
 
 
 def _fmt(fmt: str) -> int:
@@ -102,6 +102,23 @@ def amx() -> dict:
     inv = {v: k for k, v in AMX_MODES.items()}
     return {"amx": inv[L.fk_qamx()], "min_tokens": {f: L.fk_qamx_min_tokens(c) for f, c in FORMATS.items()},
             "status": L.fk_qamx_status().decode(), **_AMX_CHOICE}
+
+
+def set_pass_tokens(tokens: int | None = None, source: str = "set_pass_tokens") -> dict:
+    """Tokens a pass of the AVX-512 VNNI a8 kernel takes at 9-16 tokens a call: 16 (one pass: the fp32 sums
+    past 8 spill, the block's weights are loaded once) or 8 (two passes, all sums in registers); None: this
+    CPU's default (the per-vendor table of csrc/fk_tuning.cpp: Intel 16, others 8). Every setting gives the
+    same bits; only the speed differs. Env var FIDDLER_KERNEL_QPASS. Returns pass_tokens()."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens not in (8, 16)):
+        raise ValueError(f"tokens a pass must be 8 or 16 (None: this CPU's default), got {tokens!r}")
+    _lib.check(_L().fk_set_qpass(tokens or 0, source.encode()))
+    return pass_tokens()
+
+
+def pass_tokens() -> dict:
+    """{"tokens": 8|16, "source": the per-vendor table's reason, or who set it}."""
+    L = _L()
+    return {"tokens": L.fk_qpass(), "source": L.fk_qpass_source().decode()}
 
 
 def path(tokens: int, fmt: str) -> str:
@@ -316,3 +333,6 @@ def moe_ffn(experts: list[QuantExpert], weights: torch.Tensor, x: torch.Tensor, 
 
 if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_QMODE"):
     set_mode(os.environ["FIDDLER_KERNEL_QMODE"])
+if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_QPASS"):
+    _qpass = os.environ["FIDDLER_KERNEL_QPASS"].strip().lower()
+    set_pass_tokens(None if _qpass == "auto" else int(_qpass), source="FIDDLER_KERNEL_QPASS")

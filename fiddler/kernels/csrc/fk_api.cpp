@@ -148,6 +148,9 @@ FK_API int fk_set_qamx(int amx, int min_q8_0, int min_q4_0) {
 FK_API int fk_qamx() { return qamx(); }
 FK_API int fk_qamx_min_tokens(int fmt) { return fmt == 0 || fmt == 1 ? qamx_min_tokens(fmt) : -1; }
 FK_API const char* fk_qamx_status() { return qamx_status(); }
+FK_API int fk_set_qpass(int tokens, const char* source) { return set_qpass(tokens, source); }
+FK_API int fk_qpass() { return qpass(); }
+FK_API const char* fk_qpass_source() { return qpass_source(); }
 
 // ---------------------------------------------------------------- probe
 // GB/s of a streaming read of buf[0, nbytes) (see fk_probe.cpp); negative on error.

@@ -95,6 +95,10 @@ FK_API int fk_set_qamx(int amx, int min_q8_0, int min_q4_0);
 FK_API int fk_qamx();
 FK_API int fk_qamx_min_tokens(int fmt);  // -1 for an unknown format
 FK_API const char* fk_qamx_status();
+// tokens a pass of the AVX-512 VNNI a8 kernel at 9-16 tokens: 8 or 16, 0 = the per-CPU table
+FK_API int fk_set_qpass(int tokens, const char* source);
+FK_API int fk_qpass();
+FK_API const char* fk_qpass_source();
 
 // ---------------------------------------------------------------- probe (fk_probe.cpp)
 // GB/s of a streaming read of buf[0, nbytes); negative on error

@@ -134,5 +134,10 @@ int set_qamx(int amx, const int* min_tokens);
 int qamx();
 int qamx_min_tokens(int fmt);
 const char* qamx_status();
+// Tokens a pass of the AVX-512 VNNI a8 micro-kernel at 9-16 tokens a call (8 or 16; the per-vendor table of
+// fk_tuning.cpp on first use); set_qpass(0, ...) goes back to the table. 0 or an error (fail).
+int qpass();
+int set_qpass(int tokens, const char* source);
+const char* qpass_source();  // valid until the next set_qpass
 
 }  // namespace fk

@@ -14,13 +14,14 @@ namespace fk {
 namespace {
 
 // Up to 16 tokens a call, so that 16 tokens stream a row group from DRAM once (two calls of 8 had the
-// second re-read it from L2 with the stream idle meanwhile). Each block's tokens go in passes of at most
-// kMrRegisters, so that the tokens' fp32 sums stay in registers (a pass's 8 integer sums and the 16 fp32
-// sums about fill the 32 zmm: GCC 12 keeps 14 there); the second pass re-reads the block's weights from L1. (One pass of 16 kept
-// the sums past 8 in memory: a load and a store per block and token, and 1.15-1.25x the time per block
-// at 16 tokens in L2 on an AMD EPYC Zen 4.)
+// second re-read it from L2 with the stream idle meanwhile). Each block's tokens go in balanced passes of
+// at most qpass() tokens (fk_quant.cpp: 8 or 16, per CPU); a pass after the first re-reads the block's
+// weights from L1. With passes of 8, a pass's 8 integer sums and the 16 fp32 sums about fill the 32 zmm
+// (GCC 12 keeps 14 of the fp32 sums there); one pass of 16 keeps the fp32 sums past 8 in memory, a load
+// and a store per block and token, and halves the weight loads and the broadcasts of the second pass.
+// Which wins is the CPU's: on an AMD EPYC Zen 4 one pass took 1.15-1.25x the time per block at 16 tokens
+// in L2; on an Intel Xeon (family 6 model 207) 0.90x in L2 and 0.93-0.96x streamed from DRAM (one core).
 constexpr int kMr = 16;
-constexpr int kMrRegisters = 8;
 // Up to this many tokens a pass, each token sums a block into two accumulators (see a8_block): Q4_0
 // only, whose blocks arrive twice as fast from DRAM as Q8_0's.
 constexpr int kSplitSumTokens[kNumQFormats] = {0, 2};
@@ -98,11 +99,21 @@ inline void a8_block(const uint8_t* q, __m512 dw, const int8_t* xb, const float*
   }
 }
 
-template <int Fmt, int M, bool Pf>
+// The passes of one block over tokens S.. of M: balanced, of at most Pass tokens each (12 tokens in passes
+// of 8: 6 and 6). Only the first streams (prefetches); the others find the block in L1.
+template <int Fmt, int M, int Pass, int S, bool Pf>
+inline void a8_passes(const uint8_t* q, __m512 dw, const int8_t* xb, const float* db, const int32_t* cb, __m512* f,
+                      int64_t dist) {
+  constexpr int passes = (M - S + Pass - 1) / Pass;
+  constexpr int P = (M - S + passes - 1) / passes;
+  a8_block<Fmt, P, Pf>(q, dw, xb + S * kQK, db + S, cb + S, f + S, dist);
+  if constexpr (S + P < M) a8_passes<Fmt, M, Pass, S + P, false>(q, dw, xb, db, cb, f, 0);
+}
+
+template <int Fmt, int M, int Pass, bool Pf>
 void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
              float* acc, int64_t dist) {
   constexpr int64_t ub = Fmt == kQ8_0 ? 1088 : 576, qb = Fmt == kQ8_0 ? 512 : 256;
-  constexpr int M0 = M > kMrRegisters ? kMrRegisters : M, M1 = M - M0;
   __m512 f[M];
   for (int t = 0; t < M; ++t) f[t] = _mm512_setzero_ps();
   for (int64_t u = 0; u < units; ++u, w += ub) {
@@ -110,11 +121,7 @@ void mk_a8_t(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd,
     for (int b = 0; b < 2; ++b) {
       const int64_t kb = 2 * u + b;
       const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
-      const uint8_t* q = w + 64 + b * qb;
-      const int8_t* xb = xq + kb * ld * kQK;
-      a8_block<Fmt, M0, Pf>(q, dw, xb, xd + kb * ld, xs + kb * ld, f, dist);
-      if constexpr (M1 > 0)
-        a8_block<Fmt, M1, false>(q, dw, xb + M0 * kQK, xd + kb * ld + M0, xs + kb * ld + M0, f + M0, 0);
+      a8_passes<Fmt, M, Pass, 0, Pf>(w + 64 + b * qb, dw, xq + kb * ld * kQK, xd + kb * ld, xs + kb * ld, f, dist);
     }
   }
   for (int t = 0; t < M; ++t) _mm512_storeu_ps(acc + t * kQRows, f[t]);
@@ -175,12 +182,12 @@ void mk_w_t(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* 
 // Dispatch on (format, token count, whether to prefetch the stream: only a single token group streams
 // from DRAM; later groups find the row group in L2). The prefetch distance is the kernel's per-CPU
 // stream knob (fk_tuning.cpp).
-template <int Fmt, int M>
+template <int Fmt, int M, int Pass>
 void a8_m(const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs, int64_t ld,
           float* acc) {
   const StreamTuning st = stream_tuning();
-  if (st.hint != kHintNone || st.far) mk_a8_t<Fmt, M, true>(w, units, xq, xd, xs, ld, acc, pf_distances(st));
-  else mk_a8_t<Fmt, M, false>(w, units, xq, xd, xs, ld, acc, 0);
+  if (st.hint != kHintNone || st.far) mk_a8_t<Fmt, M, Pass, true>(w, units, xq, xd, xs, ld, acc, pf_distances(st));
+  else mk_a8_t<Fmt, M, Pass, false>(w, units, xq, xd, xs, ld, acc, 0);
 }
 template <int Fmt, int M>
 void w_m(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* acc) {
@@ -191,17 +198,20 @@ void w_m(const uint8_t* w, int64_t units, const float* x, int64_t kp, float* acc
 
 using A8Fn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*, int64_t, float*);
 using WFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
-template <int Fmt>
-constexpr A8Fn kA8[kMr] = {a8_m<Fmt, 1>,  a8_m<Fmt, 2>,  a8_m<Fmt, 3>,  a8_m<Fmt, 4>,
-                           a8_m<Fmt, 5>,  a8_m<Fmt, 6>,  a8_m<Fmt, 7>,  a8_m<Fmt, 8>,
-                           a8_m<Fmt, 9>,  a8_m<Fmt, 10>, a8_m<Fmt, 11>, a8_m<Fmt, 12>,
-                           a8_m<Fmt, 13>, a8_m<Fmt, 14>, a8_m<Fmt, 15>, a8_m<Fmt, 16>};
+// Up to 8 tokens a call the two pass settings are the same kernel.
+template <int Fmt, int Pass>
+constexpr A8Fn kA8[kMr] = {a8_m<Fmt, 1, 8>,     a8_m<Fmt, 2, 8>,     a8_m<Fmt, 3, 8>,     a8_m<Fmt, 4, 8>,
+                           a8_m<Fmt, 5, 8>,     a8_m<Fmt, 6, 8>,     a8_m<Fmt, 7, 8>,     a8_m<Fmt, 8, 8>,
+                           a8_m<Fmt, 9, Pass>,  a8_m<Fmt, 10, Pass>, a8_m<Fmt, 11, Pass>, a8_m<Fmt, 12, Pass>,
+                           a8_m<Fmt, 13, Pass>, a8_m<Fmt, 14, Pass>, a8_m<Fmt, 15, Pass>, a8_m<Fmt, 16, Pass>};
 template <int Fmt>
 constexpr WFn kW[4] = {w_m<Fmt, 1>, w_m<Fmt, 2>, w_m<Fmt, 3>, w_m<Fmt, 4>};
 
 void mk_a8(int fmt, const uint8_t* w, int64_t units, const int8_t* xq, const float* xd, const int32_t* xs,
            int64_t ld, int m, float* acc) {
-  (fmt == kQ8_0 ? kA8<kQ8_0> : kA8<kQ4_0>)[m - 1](w, units, xq, xd, xs, ld, acc);
+  const bool one = qpass() == 16;
+  (fmt == kQ8_0 ? (one ? kA8<kQ8_0, 16> : kA8<kQ8_0, 8>) : (one ? kA8<kQ4_0, 16> : kA8<kQ4_0, 8>))[m - 1](
+      w, units, xq, xd, xs, ld, acc);
 }
 // w mode: at most 4 tokens per pass (4 accumulators + 4 block sums + dequantized columns); the
 // driver's token groups use mr = 16, so split.

@@ -18,6 +18,7 @@
 #endif
 
 #include "fk_internal.h"
+#include "fk_quant.h"
 
 namespace fk {
 
@@ -126,6 +127,69 @@ const char* stream_tuning_source() {
   ensure_default();
   std::lock_guard<std::mutex> g(g_source_mu);
   return g_source.c_str();  // stable until the next set_stream_tuning
+}
+
+// Tokens a pass of the AVX-512 VNNI a8 micro-kernel at 9-16 tokens a call (fk_quant_avx512.cpp): every
+// pass setting gives the same bits (exact integer sums, the same fp32 steps per token), so this is a speed
+// choice only, and the CPU's: one pass of 16 keeps the fp32 sums past 8 in memory (a load and a store per
+// block and token) and halves the weight loads and broadcasts of a second pass. Measured one thread, 16
+// tokens, Mixtral-8x7B-wide row groups (4096 columns), interleaved, best of 5:
+// - Intel Xeon (family 6 model 207, 2-vCPU VM without AVX512-BF16, 2026-12-07): one pass 0.90x the time of
+//   passes of 8 on Q8_0 in L2 (2.02 vs 2.25 ns a block and token), 0.93x on Q4_0; streamed from DRAM 0.93x
+//   (Q8_0) and 0.96x (Q4_0) (results/measured/2026-12-07-intel-xeon-noamx-issue54-quant-pass).
+// - AMD EPYC Zen 4: one pass of 16 took 1.15-1.25x the time per block at 16 tokens in L2.
+namespace {
+struct QPassDefault {
+  const char* vendor;
+  int tokens;
+  const char* why;
+};
+constexpr QPassDefault kQPassTable[] = {
+    {"GenuineIntel", 16, "table: Intel (one pass of 16: 0.90-0.96x the time of two passes of 8)"},
+};
+constexpr QPassDefault kQPassFallback = {"", 8, "table: other CPUs (passes of 8: one of 16 took 1.15-1.25x on AMD Zen 4)"};
+
+const QPassDefault& qpass_default() {
+  static const QPassDefault* d = [] {
+    const std::string v = cpu_vendor();
+    for (const QPassDefault& e : kQPassTable)
+      if (v == e.vendor) return &e;
+    return &kQPassFallback;
+  }();
+  return *d;
+}
+
+std::atomic<int> g_qpass{0};  // 0: the table's choice, set on first use
+std::mutex g_qpass_mu;
+std::string g_qpass_source;
+
+}  // namespace
+
+int set_qpass(int tokens, const char* source) {
+  if (tokens != 0 && tokens != 8 && tokens != 16)
+    return fail("tokens a pass of the quantized kernel must be 8 or 16 (0: the per-CPU table), got " +
+                std::to_string(tokens));
+  if (tokens == 0) {
+    tokens = qpass_default().tokens;
+    source = qpass_default().why;
+  }
+  std::lock_guard<std::mutex> g(g_qpass_mu);
+  g_qpass_source = source ? source : "set";
+  g_qpass.store(tokens);
+  return 0;
+}
+
+int qpass() {
+  const int p = g_qpass.load(std::memory_order_relaxed);
+  if (p != 0) return p;
+  set_qpass(0, nullptr);
+  return g_qpass.load();
+}
+
+const char* qpass_source() {
+  qpass();
+  std::lock_guard<std::mutex> g(g_qpass_mu);
+  return g_qpass_source.c_str();
 }
 
 // Many-token blocking (fk_driver.cpp's many_token_region), from the caches of the CPU it runs on:

@@ -71,6 +71,18 @@ def acts_q8_0(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * d).view(T, kp)[:, :k]
 
 
+def odd_linear_and_expert(fmt: str, seed: int):
+    """A linear (odd K: padded blocks) and an expert of odd sizes on random rows: run(counts) -> their fp32 / bf16
+    outputs for the first t rows, t in counts, on the path selected when it is called."""
+    g = torch.Generator().manual_seed(seed)
+    lin = fq.QuantLinear.from_float(torch.randn(37, 200, generator=g) / 200**0.5, fmt)
+    e = fq.QuantExpert.from_float(torch.randn(72, 40, generator=g) / 40**0.5, torch.randn(72, 40, generator=g) / 40**0.5,
+                                  torch.randn(40, 72, generator=g) / 72**0.5, fmt)
+    x = torch.randn(35, 200, generator=g).to(torch.bfloat16)
+    xe = torch.randn(35, 40, generator=g).to(torch.bfloat16)
+    return lambda counts: [(lin(x[:t], out_dtype=torch.float32), e(xe[:t])) for t in counts]
+
+
 def ref_linear(blocks, fmt, k, x, mode):
     w = fq.dequantize(blocks, fmt, k, torch.float64)
     xr = acts_q8_0(x) if mode == "a8" else x.double()
@@ -171,16 +183,11 @@ def test_tiles_give_the_vector_paths_bits(tiles, fmt):
     """The AMX-INT8 kernel's int32 sums are exact and its fp32 steps are the AVX-512 kernel's in the same
     order: linears and experts give the same bits on both paths at every token count (odd K, padded rows,
     token groups of 16 with a short last one), so the crossover between them is a speed choice only."""
-    g = torch.Generator().manual_seed(11)
-    lin = fq.QuantLinear.from_float(torch.randn(37, 200, generator=g) / 200**0.5, fmt)
-    e = fq.QuantExpert.from_float(torch.randn(72, 40, generator=g) / 40**0.5, torch.randn(72, 40, generator=g) / 40**0.5,
-                                  torch.randn(40, 72, generator=g) / 72**0.5, fmt)
-    x = torch.randn(35, 200, generator=g).to(torch.bfloat16)
-    xe = torch.randn(35, 40, generator=g).to(torch.bfloat16)
+    run = odd_linear_and_expert(fmt, seed=11)
     outs = {}
     for isa in ("avx512_vnni", tiles):
         use("a8", isa)
-        outs[isa] = [(lin(x[:t], out_dtype=torch.float32), e(xe[:t])) for t in (1, 3, 4, 15, 16, 17, 35)]
+        outs[isa] = run((1, 3, 4, 15, 16, 17, 35))
     for (ly, ey), (lt, et) in zip(outs["avx512_vnni"], outs[tiles]):
         assert torch.equal(ly, lt) and torch.equal(ey, et)
 
@@ -192,17 +199,12 @@ def test_one_pass_or_two_give_the_same_bits(fmt):
     """The AVX-512 VNNI kernel takes 9-16 tokens a call in one pass or in two (set_pass_tokens: the per-CPU
     speed choice); the int32 sums are exact and every token's fp32 steps are the same, so linears and experts
     give the same bits either way at every token count."""
-    g = torch.Generator().manual_seed(13)
-    lin = fq.QuantLinear.from_float(torch.randn(37, 200, generator=g) / 200**0.5, fmt)
-    e = fq.QuantExpert.from_float(torch.randn(72, 40, generator=g) / 40**0.5, torch.randn(72, 40, generator=g) / 40**0.5,
-                                  torch.randn(40, 72, generator=g) / 72**0.5, fmt)
-    x = torch.randn(35, 200, generator=g).to(torch.bfloat16)
-    xe = torch.randn(35, 40, generator=g).to(torch.bfloat16)
+    run = odd_linear_and_expert(fmt, seed=13)
     use("a8", "avx512_vnni")
     outs = {}
     for tokens in (8, 16):
         assert fq.set_pass_tokens(tokens) == {"tokens": tokens, "source": "set_pass_tokens"}
-        outs[tokens] = [(lin(x[:t], out_dtype=torch.float32), e(xe[:t])) for t in (1, 8, 9, 12, 15, 16, 17, 35)]
+        outs[tokens] = run((1, 8, 9, 12, 15, 16, 17, 35))
     for (l8, e8), (l16, e16) in zip(outs[8], outs[16]):
         assert torch.equal(l8, l16) and torch.equal(e8, e16)
 

@@ -65,14 +65,18 @@ std::string cpu_vendor() {
   return "";
 }
 
+// The entry of a per-vendor table for this CPU (each table's rows have a `vendor`), or the fallback.
+template <class Row, size_t N>
+const Row& vendor_row(const Row (&table)[N], const Row& fallback) {
+  const std::string v = cpu_vendor();
+  for (const Row& e : table)
+    if (v == e.vendor) return e;
+  return fallback;
+}
+
 const Default& table_default() {
-  static const Default* d = [] {
-    const std::string v = cpu_vendor();
-    for (const Default& e : kTable)
-      if (v == e.vendor) return &e;
-    return &kFallback;
-  }();
-  return *d;
+  static const Default& d = vendor_row(kTable, kFallback);
+  return d;
 }
 
 std::atomic<int> g_hint{-1};  // -1: the table's choice, set on first use
@@ -150,13 +154,8 @@ constexpr QPassDefault kQPassTable[] = {
 constexpr QPassDefault kQPassFallback = {"", 8, "table: other CPUs (passes of 8: one of 16 took 1.15-1.25x on AMD Zen 4)"};
 
 const QPassDefault& qpass_default() {
-  static const QPassDefault* d = [] {
-    const std::string v = cpu_vendor();
-    for (const QPassDefault& e : kQPassTable)
-      if (v == e.vendor) return &e;
-    return &kQPassFallback;
-  }();
-  return *d;
+  static const QPassDefault& d = vendor_row(kQPassTable, kQPassFallback);
+  return d;
 }
 
 std::atomic<int> g_qpass{0};  // 0: the table's choice, set on first use

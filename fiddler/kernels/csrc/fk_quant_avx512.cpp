@@ -15,12 +15,12 @@ namespace {
 
 // Up to 16 tokens a call, so that 16 tokens stream a row group from DRAM once (two calls of 8 had the
 // second re-read it from L2 with the stream idle meanwhile). Each block's tokens go in balanced passes of
-// at most qpass() tokens (fk_quant.cpp: 8 or 16, per CPU); a pass after the first re-reads the block's
+// at most qpass() tokens (8 or 16, the per-vendor table of fk_tuning.cpp); a pass after the first re-reads the block's
 // weights from L1. With passes of 8, a pass's 8 integer sums and the 16 fp32 sums about fill the 32 zmm
 // (GCC 12 keeps 14 of the fp32 sums there); one pass of 16 keeps the fp32 sums past 8 in memory, a load
 // and a store per block and token, and halves the weight loads and the broadcasts of the second pass.
 // Which wins is the CPU's: on an AMD EPYC Zen 4 one pass took 1.15-1.25x the time per block at 16 tokens
-// in L2; on an Intel Xeon (family 6 model 207) 0.90x in L2 and 0.93-0.96x streamed from DRAM (one core).
+// in L2; on an Intel Xeon (family 6 model 207) 0.90-0.93x in L2 and 0.93-0.96x streamed from DRAM (one core).
 constexpr int kMr = 16;
 // Up to this many tokens a pass, each token sums a block into two accumulators (see a8_block): Q4_0
 // only, whose blocks arrive twice as fast from DRAM as Q8_0's.

@@ -137,10 +137,10 @@ const char* stream_tuning_source() {
 // pass setting gives the same bits (exact integer sums, the same fp32 steps per token), so this is a speed
 // choice only, and the CPU's: one pass of 16 keeps the fp32 sums past 8 in memory (a load and a store per
 // block and token) and halves the weight loads and broadcasts of a second pass. Measured one thread, 16
-// tokens, Mixtral-8x7B-wide row groups (4096 columns), interleaved, best of 5:
+// tokens, Mixtral-8x7B-wide row groups (4096 columns), interleaved rounds, two runs:
 // - Intel Xeon (family 6 model 207, 2-vCPU VM without AVX512-BF16, 2026-12-07): one pass 0.90x the time of
-//   passes of 8 on Q8_0 in L2 (2.02 vs 2.25 ns a block and token), 0.93x on Q4_0; streamed from DRAM 0.93x
-//   (Q8_0) and 0.96x (Q4_0) (results/measured/2026-12-07-intel-xeon-noamx-issue54-quant-pass).
+//   passes of 8 on Q8_0 in L2 (2.02 vs 2.25 ns a block and token), 0.93x on Q4_0; streamed from DRAM
+//   0.93-0.96x for both (results/measured/2026-12-07-intel-xeon-noamx-issue54-quant-pass).
 // - AMD EPYC Zen 4: one pass of 16 took 1.15-1.25x the time per block at 16 tokens in L2.
 namespace {
 struct QPassDefault {

@@ -102,12 +102,15 @@ def cpu_flags() -> set[str]:
 def cpu_class(flags: set[str], forced: str | None = None) -> str:
     """The floors' class: the kernel path this CPU runs (fk_cpu.cpp's choice), since a ratio's level is the
     path's: "amx" (AVX512-BF16 and AMX-BF16 tiles: Intel Sapphire Rapids and later), "avx512_bf16" (vdpbf16ps
-    without AMX: AMD Zen 4 and 5, Intel Cooper Lake), else "avx2" (an AVX-512 CPU without BF16 runs the AVX2
-    path too). A forced FIDDLER_KERNEL_ISA (`forced`: fiddler.kernels.set_isa's names) is its own class."""
+    without AMX: AMD Zen 4 and 5, Intel Cooper Lake), "avx512" (AVX-512 F/BW/VL/DQ without BF16: Skylake-SP to
+    Ice Lake Xeons, VMs that hide BF16), else "avx2". A forced FIDDLER_KERNEL_ISA (`forced`:
+    fiddler.kernels.set_isa's names) is its own class."""
     if forced and forced != "auto":
         return forced
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         return "avx2"
+    if "avx512_bf16" not in flags:
+        return "avx512"
     return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16"
 
 

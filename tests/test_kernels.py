@@ -22,7 +22,10 @@ pytestmark = pytest.mark.skipif(not fk.is_available(), reason=f"kernel library n
 FEATS = fk.features() if fk.is_available() else {}
 PATHS = [
     pytest.param("avx512_bf16", marks=pytest.mark.skipif(FEATS.get("best_isa") != "avx512_bf16", reason="no AVX512-BF16")),
-    pytest.param("avx2", marks=pytest.mark.skipif(FEATS.get("best_isa") not in ("avx2", "avx512_bf16"), reason="no AVX2")),
+    pytest.param("avx512", marks=pytest.mark.skipif(FEATS.get("best_isa") not in ("avx512", "avx512_bf16"),
+                                                    reason="no AVX-512 F/BW/VL/DQ")),
+    pytest.param("avx2", marks=pytest.mark.skipif(FEATS.get("best_isa") not in ("avx2", "avx512", "avx512_bf16"),
+                                                  reason="no AVX2")),
     "generic",
     "amx_emulated",
     pytest.param("amx", marks=pytest.mark.skipif(not FEATS.get("amx_supported"), reason="no AMX-BF16 on this CPU")),
@@ -532,7 +535,7 @@ for t in range(T):
         ref = sum(w2[d * F + i] * h[i] for i in range(F))
         mag = sum(abs(w2[d * F + i] * h[i]) for i in range(F))
         assert abs(f(y[t * H + d]) - ref) <= 2 ** -8 * (mag + abs(ref)) + 1e-6, (t, d)
-print("ISA", ["generic", "avx2", "avx512_bf16"][L.fk_isa()])
+print("ISA", ["generic", "avx2", "avx512", "avx512_bf16"][L.fk_isa()])
 """
 
 

@@ -339,13 +339,14 @@ def test_a_lowering_caps_the_floors_later_updates_derive(regress, monkeypatch):
 
 
 def test_floors_are_chosen_by_the_kernel_path_the_cpu_runs(regress):
-    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
     assert regress.cpu_class(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}) == "amx"  # Sapphire Rapids
     assert regress.cpu_class(avx512 | {"avx512_bf16", "avx512_vnni"}) == "avx512_bf16"  # AMD Zen 4 / 5
-    assert regress.cpu_class(avx512) == "avx2"  # AVX-512 without BF16 (Skylake): the kernel runs its AVX2 path
+    assert regress.cpu_class(avx512) == "avx512"  # AVX-512 without BF16 (Skylake-SP to Ice Lake): bf16 widened on zmm
+    assert regress.cpu_class(avx512 - {"avx512dq"}) == "avx2"  # Knights Landing: no DQ, the AVX2 path
     assert regress.cpu_class({"avx2", "fma"}) == "avx2"
     assert regress.cpu_class(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512_bf16") == "avx512_bf16"
-    assert regress.cpu_class(avx512 | {"avx512_bf16"}, "avx2") == "avx2" and regress.cpu_class(avx512, "auto") == "avx2"
+    assert regress.cpu_class(avx512 | {"avx512_bf16"}, "avx2") == "avx2" and regress.cpu_class(avx512, "auto") == "avx512"
 
 
 def test_committed_floors_cover_every_path_class():
@@ -362,7 +363,7 @@ def test_committed_floors_cover_every_path_class():
 
     for cls, start in COMPUTE_BOUND_FROM.items():
         for t in (t for t in TOKENS if t >= start):
-            e = data["classes"][cls]["quick"].get(f"kernel_vs_limit_t{t}", {})
+            e = data["classes"].get(cls, {}).get("quick", {}).get(f"kernel_vs_limit_t{t}", {})
             assert e.get("floor") is None and not e.get("cpu_floors"), (cls, t)
     # every reading of a class ran its path (a forced path says so in the reading's CPU); the quantized experts
     # take the CPU's best quantized path, which needs VNNI, not BF16: an avx2-class CPU may run them on VNNI

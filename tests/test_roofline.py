@@ -65,6 +65,7 @@ def test_isa_kind_names_the_instruction_of_each_recorded_path():
     assert rl.isa_kind("avx512_vnni:a8") == "avx512_vnni"
     assert rl.isa_kind("avx512_vnni+amx:a8") == "amx_int8"
     assert rl.isa_kind("avx2") == "avx2_fma"
+    assert rl.isa_kind("avx512") == "avx512_fma"
     for none in ("avx2:a8", "generic", "generic:w", "avx512_vnni:w"):  # no probe of their products
         assert rl.isa_kind(none) is None, none
 
@@ -81,7 +82,7 @@ def test_isa_peak_runs_what_this_cpu_has_and_refuses_the_rest():
     f = fk.features()
     avx512 = all(f[x] for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "os_avx512"))
     has = {"avx512_bf16": avx512 and f["avx512_bf16"], "avx512_vnni": f["avx512f"] and f["avx512_vnni"] and f["os_avx512"],
-           "avx2_fma": f["avx2"] and f["fma"] and f["os_avx"], "amx_bf16": f["amx_supported"],
+           "avx512_fma": avx512, "avx2_fma": f["avx2"] and f["fma"] and f["os_avx"], "amx_bf16": f["amx_supported"],
            "amx_int8": f["amx_supported"] and f["amx_int8"]}
     for kind in rl.ISA_PEAK_KINDS:
         if has[kind]:

@@ -4,8 +4,9 @@ Q8_0 / Q4_0 blocks (`quant`), and the fused ops of a decode step (`decode`, `att
 
 Weights are packed once (`PackedExpert`, `PackedLinear`) into a layout that streams contiguously;
 every call reads each weight byte once whatever the token count. The instruction set is chosen at run
-time from the CPU: AVX512-BF16 (plus AMX tiles for many tokens where the CPU has AMX), else AVX2/FMA,
-else portable C++. `FIDDLER_KERNEL_ISA` (auto, amx, avx512_bf16, avx2, generic) or `set_isa()` forces
+time from the CPU: AVX512-BF16 (plus AMX tiles for many tokens where the CPU has AMX), else AVX-512 F (bf16
+widened to fp32), else AVX2/FMA, else portable C++. `FIDDLER_KERNEL_ISA` (auto, amx, avx512_bf16, avx512, avx2,
+generic) or `set_isa()` forces
 a path. How the weight stream prefetches (hint and distance) is a per-CPU knob: a per-vendor default,
 `FIDDLER_KERNEL_STREAM` / `set_stream()` to override it, `tune_stream()` to measure it here (see
 `stream()`). Where AMX is used, the token count from which it replaces the vector path is measured

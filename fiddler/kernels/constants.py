@@ -9,10 +9,11 @@ both ways, so neither side can change alone.
 from __future__ import annotations
 
 # ------------------------------------------------------------------ paths and modes
-ISA_CODES = {"generic": 0, "avx2": 1, "avx512_bf16": 2}  # the vector paths (fk_internal.h Isa)
+# the vector paths (fk_internal.h Isa), ordered; "avx512": AVX-512 F without BF16 (bf16 widened, FMA on zmm)
+ISA_CODES = {"generic": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
 # the quantized kernel's paths use the same codes; on the AVX-512 path its integer dot products are VNNI
-QUANT_ISA_CODES = {"generic": ISA_CODES["generic"], "avx2": ISA_CODES["avx2"], "avx512_vnni": ISA_CODES["avx512_bf16"]}
+QUANT_ISA_CODES = {"generic": ISA_CODES["generic"], "avx2": ISA_CODES["avx2"], "avx512_vnni": ISA_CODES["avx512"]}
 AMX_MODES = {"off": 0, "on": 1, "emulated": 2}  # AMX tiles: none, the hardware's, a software model of them
 STREAM_HINTS = ("none", "t0", "t1", "nta")  # the weight stream's prefetch hints, codes 0..3
 QUANT_MODES = {"a8": 0, "w": 1}  # quantized compute: Q8_0 activations and integer dots / fp32 activations

@@ -144,20 +144,23 @@ def compute_peak(kind: str = "bf16", threads: int | None = None, repeats: int = 
     return out
 
 
-ISA_PEAK_KINDS = ("avx512_bf16", "avx512_vnni", "avx2_fma", "amx_bf16", "amx_int8")
+ISA_PEAK_KINDS = ("avx512_bf16", "avx512_vnni", "avx512_fma", "avx2_fma", "amx_bf16", "amx_int8")
 
 
 def isa_kind(path: str) -> str | None:
     """The instruction a kernel path's products run on, from the path a benchmark records (`features()`'s
     isa plus "+amx" for the bf16 expert; `quant.path()` for Q8_0 / Q4_0, e.g. "avx512_vnni+amx:a8"): AMX
-    tiles where "+amx", vdpbf16ps on avx512_bf16, vpdpbusd on avx512_vnni, FMA on the AVX2 bf16 path;
+    tiles where "+amx", vdpbf16ps on avx512_bf16, vpdpbusd on avx512_vnni, FMA on zmm on the AVX-512 F bf16
+    path and on ymm on the AVX2 one;
     None where no probe matches (the AVX2 and portable quantized paths, generic)."""
     isa, _, mode = path.partition(":")
     if isa.endswith("+amx"):
         return "amx_int8" if isa.startswith("avx512_vnni") else "amx_bf16"
     if isa in ("avx512_bf16", "avx512_vnni") and mode in ("", "a8"):
         return isa
-    return "avx2_fma" if isa == "avx2" and not mode else None
+    if mode:
+        return None
+    return {"avx512": "avx512_fma", "avx2": "avx2_fma"}.get(isa)
 
 
 def isa_peak(kind: str, threads: int | None = None, repeats: int = 10, ops: float = 1e9) -> float:

@@ -27,7 +27,8 @@ def load_error() -> str | None:
 # ------------------------------------------------------------------ ISA selection and AMX
 def set_isa(name: str | None = None) -> str:
     """Selects the kernel path: None/"auto" (best for this CPU), "amx" (AVX512-BF16 with AMX tiles from
-    the default amx_min_tokens up; error without AMX), "avx512_bf16" (no AMX), "avx2", "generic". Returns `isa()`."""
+    the default amx_min_tokens up; error without AMX), "avx512_bf16" (no AMX), "avx512" (AVX-512 F: bf16 widened to
+    fp32, FMA on zmm), "avx2", "generic". Returns `isa()`."""
     name = (name or "auto").strip().lower()
     if name == "auto":
         rc = _L().fk_configure(-1, -1, 0)
@@ -36,7 +37,7 @@ def set_isa(name: str | None = None) -> str:
     elif name in ISA_CODES:
         rc = _L().fk_configure(ISA_CODES[name], AMX_MODES["off"], 0)
     else:
-        raise ValueError(f"unknown kernel ISA {name!r}; choose one of auto, amx, avx512_bf16, avx2, generic")
+        raise ValueError(f"unknown kernel ISA {name!r}; choose one of auto, amx, avx512_bf16, avx512, avx2, generic")
     if rc != 0:
         raise ValueError(f"cannot select kernel ISA {name!r}: {_lib.last_error()}")
     _AMX_CHOICE.clear()
@@ -62,7 +63,7 @@ def amx_choice() -> dict:
 
 
 def isa() -> str:
-    """The active vector path: "avx512_bf16", "avx2" or "generic" (AMX use: see `features()`)."""
+    """The active vector path: "avx512_bf16", "avx512", "avx2" or "generic" (AMX use: see `features()`)."""
     return ISA_NAMES[_L().fk_isa()]
 
 
@@ -73,7 +74,7 @@ def features() -> dict:
     x86 = bool(L.fk_compiled_x86())
     amx = L.fk_amx_mode()
     out.update(
-        compiled=["generic", "avx2", "avx512_bf16", "amx"] if x86 else ["generic"],
+        compiled=["generic", "avx2", "avx512", "avx512_bf16", "amx"] if x86 else ["generic"],
         best_isa=ISA_NAMES[L.fk_best_isa()],
         isa=isa(),
         amx_supported=bool(L.fk_amx_supported()),

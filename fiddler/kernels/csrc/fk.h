@@ -111,12 +111,17 @@ void silu_mul_generic(const float* a, const float* b, int64_t n, uint16_t* h);
 void store_generic(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
 uint64_t read_generic(const void* p, int64_t n, int hint, int64_t dist);
 #if defined(__x86_64__)
-// the AVX512-BF16 epilogues and probe read, reused by the AMX path
+// the AVX2 epilogues, reused by the AVX-512 F path (same bits as the portable ones)
+void silu_mul_avx2(const float* a, const float* b, int64_t n, uint16_t* h);
+void store_avx2(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
+// the probe's read on zmm (AVX-512 F), shared by every AVX-512 path
+uint64_t read_avx512(const void* p, int64_t n, int hint, int64_t dist);
+// the AVX512-BF16 epilogues, reused by the AMX path
 void silu_mul_avx512_bf16(const float* a, const float* b, int64_t n, uint16_t* h);
 void silu_mul_f32_avx512(const float* a, const float* b, int64_t n, float* h);  // h kept fp32 (quantized path)
 void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, bool out_f32);
-uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist);
 extern const IsaOps kAvx2Ops;
+extern const IsaOps kAvx512FOps;   // AVX-512 F without BF16: bf16 widened to fp32, FMA on zmm
 extern const IsaOps kAvx512Ops;
 extern const IsaOps kAmxOps;       // real AMX tiles
 // ldtilecfg of a 64-byte tile configuration. GCC's _tile_loadconfig declares a read of only its first 8

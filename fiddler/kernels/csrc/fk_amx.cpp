@@ -22,7 +22,7 @@ namespace {
 }  // namespace
 
 extern const IsaOps kAmxOps = {"amx", 32, amx_mk, silu_mul_avx512_bf16, store_avx512_bf16,
-                               read_avx512_bf16, amx_done};
+                               read_avx512, amx_done};
 
 }  // namespace fk
 

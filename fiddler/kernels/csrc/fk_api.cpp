@@ -18,7 +18,8 @@ struct Constant {
 };
 // by the names fiddler/kernels/constants.py's exported() gives them (tests/test_kernel_api.py)
 const Constant kConstants[] = {
-    {"isa.generic", kIsaGeneric}, {"isa.avx2", kIsaAvx2}, {"isa.avx512_bf16", kIsaAvx512},
+    {"isa.generic", kIsaGeneric}, {"isa.avx2", kIsaAvx2}, {"isa.avx512", kIsaAvx512F},
+    {"isa.avx512_bf16", kIsaAvx512Bf16},
     {"amx.off", kAmxOff}, {"amx.on", kAmxHw}, {"amx.emulated", kAmxEmulated},
     {"hint.none", kHintNone}, {"hint.t0", kHintT0}, {"hint.t1", kHintT1}, {"hint.nta", kHintNta},
     {"qmode.a8", kQModeA8}, {"qmode.w", kQModeW}, {"quant.amx_never", kQAmxNever},

@@ -252,7 +252,7 @@ int causal_attention(const Args& a, int threads) {
 // Causal attention of T queries over T keys (positions 0..T-1) for B sequences: q [B][nh][T][dk] and
 // k [B][nkv][T][dk], v [B][nkv][T][dv] given by their strides in elements (the last dim dense), out
 // [B][T][nh][dv] dense (o_proj's input). nh a multiple of nkv; dk even, dv a multiple of 16, both at
-// most 256. Needs the AVX512-BF16 path (kIsaAvx512); otherwise -1 and the caller uses torch.
+// most 256. Needs the AVX512-BF16 path (kIsaAvx512Bf16); otherwise -1 and the caller uses torch.
 FK_API int fk_causal_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t B,
                                     int64_t nh, int64_t nkv, int64_t T, int64_t dk, int64_t dv, int64_t q_sb,
                                     int64_t q_sh, int64_t q_st, int64_t k_sb, int64_t k_sg, int64_t k_st,
@@ -260,7 +260,7 @@ FK_API int fk_causal_attention_bf16(const uint16_t* q, const uint16_t* k, const 
                                     int threads) {
 #if defined(__x86_64__)
   using namespace fk;
-  if (current_isa() != kIsaAvx512) return fail("causal attention: needs the avx512_bf16 path");
+  if (current_isa() != kIsaAvx512Bf16) return fail("causal attention: needs the avx512_bf16 path");
   if (B < 1 || T < 1 || nh < 1 || nkv < 1 || nh % nkv || dk < 2 || dk % 2 || dk > kMaxD || dv < 16 ||
       dv % 16 || dv > kMaxD)
     return fail("causal attention: bad shape");

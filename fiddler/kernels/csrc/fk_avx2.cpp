@@ -68,7 +68,9 @@ void mk_avx2(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, 
   }
 }
 
-inline __m256 exp_ps(__m256 x) {
+}  // namespace
+
+static inline __m256 exp_ps(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -87,7 +89,7 @@ inline __m256 exp_ps(__m256 x) {
 }
 
 // fp32 -> bf16, round to nearest even; NaN stays NaN (quiet bit set)
-inline __m128i to_bf16(__m256 v) {
+static inline __m128i to_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
@@ -122,6 +124,8 @@ void store_avx2(const float* acc, const float* bias, int64_t n, void* y, bool ou
     store_generic(acc + i, bias ? bias + i : nullptr, n - i, rest, out_f32);
   }
 }
+
+namespace {
 
 template <int Hint>
 uint64_t read256(const char* q, int64_t n, int64_t dist) {

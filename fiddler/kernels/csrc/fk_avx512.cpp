@@ -180,33 +180,8 @@ void store_avx512_bf16(const float* acc, const float* bias, int64_t n, void* y, 
   }
 }
 
-template <int Hint>
-uint64_t read512(const char* q, int64_t n, int64_t dist) {
-  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
-  for (int64_t i = 0; i < n; i += 256) {
-    if constexpr (Hint != kHintNone)
-      for (int l = 0; l < 256; l += 64) prefetch<Hint>(q + i + dist + l);
-    s0 = _mm512_xor_si512(s0, _mm512_load_si512(q + i));
-    s1 = _mm512_xor_si512(s1, _mm512_load_si512(q + i + 64));
-    s2 = _mm512_xor_si512(s2, _mm512_load_si512(q + i + 128));
-    s3 = _mm512_xor_si512(s3, _mm512_load_si512(q + i + 192));
-  }
-  return uint64_t(_mm512_reduce_add_epi64(
-      _mm512_xor_si512(_mm512_xor_si512(s0, s1), _mm512_xor_si512(s2, s3))));
-}
-
-uint64_t read_avx512_bf16(const void* p, int64_t n, int hint, int64_t dist) {
-  const char* q = static_cast<const char*>(p);
-  switch (hint) {
-    case kHintT0: return read512<kHintT0>(q, n, dist);
-    case kHintT1: return read512<kHintT1>(q, n, dist);
-    case kHintNta: return read512<kHintNta>(q, n, dist);
-    default: return read512<kHintNone>(q, n, dist);
-  }
-}
-
 extern const IsaOps kAvx512Ops = {"avx512_bf16", kMr, mk_avx512, silu_mul_avx512_bf16, store_avx512_bf16,
-                                  read_avx512_bf16, nullptr, kMr2, mk2_avx512};
+                                  read_avx512, nullptr, kMr2, mk2_avx512};
 
 }  // namespace fk
 

@@ -106,7 +106,8 @@ std::string g_amx_status = "not checked";
 
 int best_isa() {
 #if defined(__x86_64__)
-  if (cpu().avx512_bf16()) return kIsaAvx512;
+  if (cpu().avx512_bf16()) return kIsaAvx512Bf16;
+  if (cpu().avx512() && cpu().avx2()) return kIsaAvx512F;
   if (cpu().avx2()) return kIsaAvx2;
 #endif
   return kIsaGeneric;
@@ -114,7 +115,8 @@ int best_isa() {
 
 const IsaOps& vector_ops(int isa) {
 #if defined(__x86_64__)
-  if (isa == kIsaAvx512) return kAvx512Ops;
+  if (isa == kIsaAvx512Bf16) return kAvx512Ops;
+  if (isa == kIsaAvx512F) return kAvx512FOps;
   if (isa == kIsaAvx2) return kAvx2Ops;
 #endif
   return kGenericOps;
@@ -160,15 +162,17 @@ bool amx_selfcheck() {
 
 int configure(int isa, int amx, int amx_min_tokens) {
   if (isa < 0) isa = best_isa();
-  if (isa > kIsaAvx512) return fail("unknown ISA code " + std::to_string(isa));
-  if (isa == kIsaAvx512 && !(isa <= best_isa()))
+  if (isa > kIsaAvx512Bf16) return fail("unknown ISA code " + std::to_string(isa));
+  if (isa == kIsaAvx512Bf16 && !(isa <= best_isa()))
     return fail("this CPU (or OS) does not support AVX512-BF16 (needs avx512f/bw/vl/dq/bf16)");
+  if (isa == kIsaAvx512F && best_isa() < kIsaAvx512F)
+    return fail("this CPU (or OS) does not support AVX-512 (needs avx512f/bw/vl/dq)");
   if (isa == kIsaAvx2 && best_isa() < kIsaAvx2) return fail("this CPU (or OS) does not support AVX2+FMA");
   if (amx < 0)
-    amx = (isa == kIsaAvx512 && cpu().amx() && request_amx_permission() && amx_selfcheck()) ? kAmxHw
+    amx = (isa == kIsaAvx512Bf16 && cpu().amx() && request_amx_permission() && amx_selfcheck()) ? kAmxHw
                                                                                            : kAmxOff;
   if (amx == kAmxHw) {
-    if (isa != kIsaAvx512) return fail("AMX needs the avx512_bf16 path");
+    if (isa != kIsaAvx512Bf16) return fail("AMX needs the avx512_bf16 path");
     if (!cpu().amx()) return fail("this CPU (or OS) does not support AMX-BF16");
     if (!request_amx_permission())
       return fail("the kernel refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM failed)");

@@ -67,9 +67,10 @@ void norm_rows(const void* c, int64_t r0, int64_t r1) {
   float* h = s.data();
   switch (a.isa) {
 #if defined(__x86_64__)
-    case fk::kIsaAvx512:
+    case fk::kIsaAvx512Bf16:
       return a.outf ? avx512::rmsnorm_rows_f32(a.x, a.wf, a.n, a.eps, a.outf, r0, r1, h)
                     : avx512::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h);
+    case fk::kIsaAvx512F:  // the AVX-512 F path's norms and attention are the AVX2 ones
     case fk::kIsaAvx2:
       return a.outf ? avx2::rmsnorm_rows_f32(a.x, a.wf, a.n, a.eps, a.outf, r0, r1, h)
                     : avx2::rmsnorm_rows(a.x, a.w, a.n, a.eps, a.out, r0, r1, h);
@@ -131,7 +132,8 @@ int rope_attn_rows(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int6
     uint16_t *kc = kcache + rows[b] * row_elems, *vc = vcache + rows[b] * row_elems;
     switch (isa) {
 #if defined(__x86_64__)
-      case fk::kIsaAvx512: avx512::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
+      case fk::kIsaAvx512Bf16: avx512::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
+      case fk::kIsaAvx512F:
       case fk::kIsaAvx2: avx2::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq); break;
 #endif
       default: generic::write_kv(q, 1, nh, nkv, d, pos[b], cr, sr, kc, vc, max_seq);
@@ -162,7 +164,8 @@ int rope_attn_rows(const uint16_t* qkv, int64_t B, int64_t nh, int64_t nkv, int6
       uint16_t* o = c.out + b * c.nh * c.d;
       switch (c.isa) {
 #if defined(__x86_64__)
-        case fk::kIsaAvx512: avx512::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
+        case fk::kIsaAvx512Bf16: avx512::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
+        case fk::kIsaAvx512F:
         case fk::kIsaAvx2: avx2::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data()); break;
 #endif
         default: generic::attend_heads(q, c.nh, c.nkv, c.d, ps, cr, sr, kc, vc, c.max_seq, j0, c.scale, o, a, e, sc.data());

@@ -39,10 +39,8 @@ extern const char* const kFeatureNames[kNumFeatures];
 struct Cpu {
   bool has[kNumFeatures] = {};
   bool avx2() const { return has[kAvx2] && has[kFma] && has[kOsAvx]; }
-  bool avx512_bf16() const {
-    return has[kAvx512f] && has[kAvx512bw] && has[kAvx512vl] && has[kAvx512dq] &&
-           has[kAvx512bf16] && has[kOsAvx512];
-  }
+  bool avx512() const { return has[kAvx512f] && has[kAvx512bw] && has[kAvx512vl] && has[kAvx512dq] && has[kOsAvx512]; }
+  bool avx512_bf16() const { return avx512() && has[kAvx512bf16]; }
   bool amx() const { return avx512_bf16() && has[kAmxTile] && has[kAmxBf16] && has[kOsAmx]; }
 };
 
@@ -51,7 +49,9 @@ bool request_amx_permission();  // Linux: ask for AMX tile data once per process
 int available_cpus();            // CPUs this process may run on
 
 // ---------------------------------------------------------------- configuration (fk_cpu.cpp)
-enum Isa { kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+// Vector paths, ordered: each needs what the one below it needs. avx512: AVX-512 F/BW/VL/DQ without BF16
+// (Skylake-SP to Ice Lake Xeons, VMs that hide BF16); the quantized kernel's VNNI path has its code.
+enum Isa { kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512F = 2, kIsaAvx512Bf16 = 3 };
 enum AmxMode { kAmxOff = 0, kAmxHw = 1, kAmxEmulated = 2 };
 
 int best_isa();

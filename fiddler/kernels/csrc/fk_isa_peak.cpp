@@ -7,6 +7,7 @@
 // Kinds (ops = 2 per multiply-add):
 //   avx512_bf16  vdpbf16ps zmm   16 lanes x 2 bf16 pairs       =    64 FLOP an instruction
 //   avx512_vnni  vpdpbusd zmm    16 lanes x 4 u8*s8 products   =   128 OP
+//   avx512_fma   vfmadd231ps zmm 16 lanes                      =    32 FLOP (the AVX-512 F path's bf16 math)
 //   avx2_fma     vfmadd231ps ymm  8 lanes                      =    16 FLOP (the AVX2 path's bf16 math)
 //   amx_bf16     tdpbf16ps       16 x 16 fp32, K = 32 bf16     = 16384 FLOP
 //   amx_int8     tdpbssd         16 x 16 int32, K = 64 int8    = 32768 OP
@@ -51,6 +52,19 @@ __attribute__((target("avx512f,avx512vnni"))) float loop_avx512_vnni(int64_t ite
   int out[16];
   _mm512_storeu_si512(out, s);
   return float(out[0] + out[15]);
+}
+
+__attribute__((target("avx512f"))) float loop_avx512_fma(int64_t iters, float v) {
+  const __m512 a = _mm512_set1_ps(0.0f), b = _mm512_set1_ps(v);
+  __m512 c[12];
+  for (auto& x : c) x = _mm512_setzero_ps();
+  for (int64_t i = 0; i < iters; ++i)
+    for (auto& x : c) x = _mm512_fmadd_ps(a, b, x);
+  __m512 s = c[0];
+  for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, c[j]);
+  float out[16];
+  _mm512_storeu_ps(out, s);
+  return out[0] + out[15];
 }
 
 __attribute__((target("avx2,fma"))) float loop_avx2_fma(int64_t iters, float v) {
@@ -119,6 +133,7 @@ const Kind kKinds[] = {
     {"avx512_bf16", 12 * 64.0, loop_avx512_bf16, [] { return cpu().avx512_bf16(); }},
     {"avx512_vnni", 12 * 128.0, loop_avx512_vnni,
      [] { return cpu().has[kAvx512f] && cpu().has[kAvx512vnni] && cpu().has[kOsAvx512]; }},
+    {"avx512_fma", 12 * 32.0, loop_avx512_fma, [] { return cpu().avx512(); }},
     {"avx2_fma", 12 * 16.0, loop_avx2_fma, [] { return cpu().avx2(); }},
     {"amx_bf16", 4 * 16384.0, loop_amx<false>, [] { return cpu().amx() && request_amx_permission(); }},
     {"amx_int8", 4 * 32768.0, loop_amx<true>,
@@ -134,7 +149,7 @@ double isa_peak(const char* kind, int threads, double ops, int repeats) {
   for (const Kind& c : kKinds)
     if (kind && std::strcmp(kind, c.name) == 0) k = &c;
   if (!k) return fail(std::string("isa_peak: unknown kind '") + (kind ? kind : "(null)") +
-                      "'; one of avx512_bf16, avx512_vnni, avx2_fma, amx_bf16, amx_int8");
+                      "'; one of avx512_bf16, avx512_vnni, avx512_fma, avx2_fma, amx_bf16, amx_int8");
   if (!k->supported()) return fail(std::string("isa_peak: this CPU (or OS) cannot run ") + k->name);
   if (!(ops > 0)) return fail("isa_peak: ops must be positive");
   const int n = threads > 0 ? threads : default_threads();

@@ -168,7 +168,7 @@ bool has_avx512_quant() {
 }
 int best_qisa() {
 #if defined(__x86_64__)
-  if (has_avx512_quant()) return kIsaAvx512;
+  if (has_avx512_quant()) return kIsaAvx512F;
   if (has_avx2_quant()) return kIsaAvx2;
 #endif
   return kIsaGeneric;
@@ -258,11 +258,11 @@ bool qamx_selfcheck() {
 const QuantOps& qops() {
   ensure_qconfig();
 #if defined(__x86_64__)
-  if (g_qisa.load() == kIsaAvx512 && g_qmode.load() == kQModeA8) {
+  if (g_qisa.load() == kIsaAvx512F && g_qmode.load() == kQModeA8) {
     if (g_qamx.load() == kAmxHw) return kQuantAmxOps;
     if (g_qamx.load() == kAmxEmulated) return kQuantAmxEmuOps;
   }
-  if (g_qisa.load() == kIsaAvx512) return kQuantAvx512Ops;
+  if (g_qisa.load() == kIsaAvx512F) return kQuantAvx512Ops;
   if (g_qisa.load() == kIsaAvx2) return kQuantAvx2Ops;
 #endif
   return kQuantGenericOps;
@@ -270,7 +270,7 @@ const QuantOps& qops() {
 }  // namespace
 
 // The automatic quantized path: this CPU's best, which needs no AVX512-BF16 (an Intel Cascade or Ice Lake, or a
-// VM that hides BF16, runs the bf16 experts on AVX2 and the quantized ones on VNNI); a vector path set below the
+// VM that hides BF16, runs the bf16 experts on the AVX-512 F path and the quantized ones on VNNI); a vector path set below the
 // CPU's best (FIDDLER_KERNEL_ISA=avx2 on an AVX-512 CPU, a proxy for another CPU class) takes it down with it.
 static int auto_qisa() {
   const int vector = current_isa();
@@ -279,8 +279,8 @@ static int auto_qisa() {
 
 int set_qmode(int mode, int isa) {
   if (isa < 0) isa = auto_qisa();
-  if (isa > kIsaAvx512) return fail("unknown ISA code " + std::to_string(isa));
-  if (isa == kIsaAvx512 && !has_avx512_quant())
+  if (isa > kIsaAvx512F) return fail("unknown ISA code " + std::to_string(isa));
+  if (isa == kIsaAvx512F && !has_avx512_quant())
     return fail("this CPU (or OS) has no AVX512 VNNI (needs avx512f/bw/vl/vnni, f16c) for the quantized path");
   if (isa == kIsaAvx2 && !has_avx2_quant())
     return fail("this CPU (or OS) has no AVX2+FMA+F16C for the quantized path");
@@ -330,7 +330,7 @@ int set_qamx(int amx, const int* min_tokens) {
 }
 int qamx() {
   ensure_qconfig();
-  return g_qisa.load() == kIsaAvx512 && g_qmode.load() == kQModeA8 ? g_qamx.load() : int(kAmxOff);
+  return g_qisa.load() == kIsaAvx512F && g_qmode.load() == kQModeA8 ? g_qamx.load() : int(kAmxOff);
 }
 int qamx_min_tokens(int fmt) { return g_qamx_min_tokens[fmt].load(); }
 const char* qamx_status() { return g_qamx_status; }

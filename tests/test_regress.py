@@ -353,7 +353,8 @@ def test_committed_floors_cover_every_path_class():
     data = yaml.safe_load((ROOT / "results" / "regression" / "floors.yaml").read_text())
     floored = ("kernel_vs_torch_t1", "kernel_vs_limit_t1", "engine_decode_vs_transformers",
                "planner_vs_python_makespan_e128k8_t1", "batch_decode16_vs_1")
-    for cls, names in (("amx", floored + ("kernel_vs_limit_t64",)), ("avx512_bf16", floored), ("avx2", floored)):
+    for cls, names in (("amx", floored + ("kernel_vs_limit_t64",)), ("avx512_bf16", floored), ("avx512", floored),
+                       ("avx2", floored)):
         quick = data["classes"][cls]["quick"]
         for name in names:
             assert quick[name]["floor"] is not None, (cls, name)
@@ -367,7 +368,8 @@ def test_committed_floors_cover_every_path_class():
             assert e.get("floor") is None and not e.get("cpu_floors"), (cls, t)
     # every reading of a class ran its path (a forced path says so in the reading's CPU); the quantized experts
     # take the CPU's best quantized path, which needs VNNI, not BF16: an avx2-class CPU may run them on VNNI
-    paths = {"amx": ("avx512_bf16", "avx512_vnni"), "avx512_bf16": ("avx512_bf16", "avx512_vnni"), "avx2": ("avx2",)}
+    paths = {"amx": ("avx512_bf16", "avx512_vnni"), "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
+             "avx512": ("avx512",), "avx2": ("avx2",)}
     for cls, ok in paths.items():
         for name, e in data["classes"][cls]["quick"].items():
             allowed = ok + ("avx512_vnni",) if name.startswith("quant_") else ok

@@ -642,8 +642,8 @@ def test_amx_tuning_is_a_no_op_without_amx():
 @pytest.mark.parametrize("hidden,ffn", [(4200, 300), (96, 2080), (33, 17)])
 def test_avx512_path_computes_the_avx2_paths_bits(hidden, ffn):
     """The AVX-512 F path widens bf16 to fp32 as the AVX2 path does and sums each output in its order (per row:
-    the even column's product, then the odd one's, kp by kp), 8 tokens a call instead of 2 and K in slices of 128
-    column pairs: the same bits at every token count (partial calls of 1-7 tokens, the many-token blocking) and K
+    the even column's product, then the odd one's, kp by kp), 12 tokens a call instead of 2 and K in slices of 128
+    column pairs: the same bits at every token count (partial calls of 1-11 tokens, the many-token blocking) and K
     (4200: two K chunks and a partial slice)."""
     x, w1, w3, w2 = expert_case(hidden, ffn, 37, seed=5)
     pe, lin = fk.PackedExpert(w1, w3, w2), fk.PackedLinear(w1)
@@ -651,6 +651,6 @@ def test_avx512_path_computes_the_avx2_paths_bits(hidden, ffn):
     for path in ("avx2", "avx512"):
         fk.set_isa(path)
         out[path] = [(pe(x[:t].clone()), lin.forward(x[:t].clone()), lin.forward(x[:t].clone(), out_dtype=torch.float32))
-                     for t in (1, 2, 3, 7, 8, 9, 16, 17, 37)]
+                     for t in (1, 2, 3, 7, 8, 9, 12, 13, 16, 17, 37)]
     for (a, b) in zip(out["avx2"], out["avx512"]):
         assert all(torch.equal(u, v) for u, v in zip(a, b)), a[0].shape

@@ -221,6 +221,9 @@ def test_pass_tokens_are_reported_and_validated():
     out = subprocess.run([sys.executable, "-c", "from fiddler.kernels import quant; print(quant.pass_tokens())"],
                          env=env, capture_output=True, text=True, timeout=120, check=True).stdout
     assert f"'tokens': {env['FIDDLER_KERNEL_QPASS']}, 'source': 'FIDDLER_KERNEL_QPASS'" in out
+    bad = subprocess.run([sys.executable, "-c", "from fiddler.kernels import quant"], capture_output=True, text=True,
+                         env={**os.environ, "FIDDLER_KERNEL_QPASS": "junk"}, timeout=120)
+    assert bad.returncode != 0 and "FIDDLER_KERNEL_QPASS must be auto, 8 or 16, got 'junk'" in bad.stderr
 
 
 def test_amx_modes_are_reported_and_validated():

@@ -335,4 +335,6 @@ if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_QMODE"):
     set_mode(os.environ["FIDDLER_KERNEL_QMODE"])
 if _lib.lib is not None and os.environ.get("FIDDLER_KERNEL_QPASS"):
     _qpass = os.environ["FIDDLER_KERNEL_QPASS"].strip().lower()
+    if _qpass not in ("auto", "8", "16"):
+        raise ValueError(f"FIDDLER_KERNEL_QPASS must be auto, 8 or 16, got {os.environ['FIDDLER_KERNEL_QPASS']!r}")
     set_pass_tokens(None if _qpass == "auto" else int(_qpass), source="FIDDLER_KERNEL_QPASS")

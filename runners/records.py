@@ -90,16 +90,25 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+def kernel_overrides() -> dict[str, str]:
+    """The FIDDLER_KERNEL_* variables set in this process (a forced ISA path, prefetch, quantized mode...): they
+    change what the kernel runs, so they are asked-for settings like the config's."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FIDDLER_KERNEL_")}
+
+
 def config_hash(config: dict[str, Any], point: dict[str, Any]) -> str:
-    """Identity of a measurement: what was asked for (`identity.requested_config` minus run control),
-    the point, and the code. Values measured at start are not in it (they are in the record)."""
+    """Identity of a measurement: what was asked for (`identity.requested_config` minus run control, plus the
+    kernel overrides of the environment: FIDDLER_KERNEL_ISA=avx2 measures another path), the point, and the
+    code. Values measured at start are not in it (they are in the record)."""
     measured = {k: v for k, v in config.items() if k not in ("run", "cache_dir", "serve")}  # serve: mode=serve only
     # the workload's lists only say which points exist; the point itself is hashed below, so a
     # sweep that gains a point keeps the hashes of the points it already had (resume)
     measured["workload"] = {k: v for k, v in config["workload"].items()
                             if k not in ("input_lens", "output_lens", "beam_widths", "concurrency", "rates")}
-    blob = json.dumps({"config": measured, "point": point, "code": code_version()["version"]},
-                      sort_keys=True, default=str)
+    ident = {"config": measured, "point": point, "code": code_version()["version"]}
+    if kernel_overrides():  # absent when none is set: the hashes of plain runs stay as they were
+        ident["kernel_env"] = kernel_overrides()
+    blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -3,6 +3,7 @@ left to do detects nothing and loads no model."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 
@@ -77,3 +78,22 @@ def test_records_of_other_code_are_not_resumed_and_resume_says_why(tmp_path, mon
     third = _job(tmp_path, "workload.input_lens=[8,9]", "run.isolation=inline", name="c")  # the same code: resumed
     assert [r.get("resumed_from") for r in third] == [second[0]["run_id"], second[1]["run_id"]]
     assert "not resumed" not in capsys.readouterr().err
+
+
+def test_a_forced_kernel_path_is_another_configuration(tmp_path, monkeypatch, varying_probe):
+    """FIDDLER_KERNEL_ISA=avx2 (any FIDDLER_KERNEL_* override) measures another kernel path: its run must not
+    resume the records of a run without it, nor they its records; unset, the hashes are those of before."""
+    config, point = {"workload": {"name": "w"}, "system": {"name": "fiddler"}}, {"input": 8}
+    for k in [k for k in os.environ if k.startswith("FIDDLER_KERNEL_")]:
+        monkeypatch.delenv(k)
+    plain = records.config_hash(config, point)
+    monkeypatch.setenv("FIDDLER_KERNEL_ISA", "avx2")
+    forced = records.config_hash(config, point)
+    monkeypatch.setenv("FIDDLER_KERNEL_ISA", "generic")
+    assert len({plain, forced, records.config_hash(config, point)}) == 3
+    monkeypatch.delenv("FIDDLER_KERNEL_ISA")
+    assert records.config_hash(config, point) == plain
+    first = _job(tmp_path, "workload.input_lens=[8]", "run.isolation=inline", name="a")
+    monkeypatch.setenv("FIDDLER_KERNEL_STREAM", "t0:1024")
+    second = _job(tmp_path, "workload.input_lens=[8]", "run.isolation=inline", name="b")
+    assert first[0]["status"] == second[0]["status"] == "ok" and second[0].get("resumed_from") is None

@@ -75,6 +75,21 @@ inline void prefetch_stream_step(const char* wp, int64_t dist, int64_t far) {
   }
 }
 
+// A micro-kernel's prefetch for one 128-byte kp step at wp: where the call streams its chunk from DRAM (one token
+// group: `streaming`), the stream prefetches above; else the chunk was pulled in by the previous chunk's calls and
+// this call pulls its share of the next chunk, `per` lines a step from pf into L1 (pf and pf_lines advance).
+template <int Hint>
+inline void prefetch_kernel_step(const char* wp, bool streaming, int64_t dist, int64_t far, const char*& pf,
+                                 int64_t& pf_lines, int64_t per) {
+  if (streaming) {
+    prefetch_stream_step<Hint>(wp, dist, far);
+  } else if (pf_lines > 0) {
+    for (int64_t i = 0; i < per; ++i) prefetch<kHintT0>(pf + 64 * i);
+    pf += 64 * per;
+    pf_lines -= per;
+  }
+}
+
 // One ISA path. The driver (fk_api.cpp) does blocking, threading and padding; a path supplies:
 struct IsaOps {
   const char* name;

@@ -30,19 +30,10 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
   const int* xr[M];
   for (int t = 0; t < M; ++t) xr[t] = reinterpret_cast<const int*>(x + t * ldx);
   const char* wp = reinterpret_cast<const char*>(w);
-  // Either this call streams its chunk from DRAM (one token group: prefetch just ahead of the
-  // loads), or the chunk was prefetched by the previous chunk's calls and this call prefetches
-  // its share of the next chunk, `per` lines an iteration.
   const bool streaming = pf_lines <= 0;
   const int64_t per = (pf_lines + kpairs - 1) / kpairs;
   for (int64_t kp = 0; kp < kpairs; ++kp, wp += 128) {
-    if (streaming) {
-      prefetch_stream_step<Hint>(wp, dist, far);
-    } else if (pf_lines > 0) {
-      for (int64_t i = 0; i < per; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
-      pf += 64 * per;
-      pf_lines -= per;
-    }
+    prefetch_kernel_step<Hint>(wp, streaming, dist, far, pf, pf_lines, per);
     const __m512bh w0 = as_bh(_mm512_load_si512(wp)), w1 = as_bh(_mm512_load_si512(wp + 64));
     for (int t = 0; t < M; ++t) {
       const __m512bh b = as_bh(_mm512_set1_epi32(xr[t][kp]));

@@ -55,13 +55,7 @@ void mk(const uint16_t* w, int64_t kpairs, const uint16_t* x, int64_t ldx, float
     const int64_t n = std::min(kSlice, kpairs - k0);
     widen<M>(x + 2 * k0, ldx, n, xs);
     for (int64_t kp = 0; kp < n; ++kp, wp += 128) {
-      if (streaming) {
-        prefetch_stream_step<Hint>(wp, dist, far);
-      } else if (pf_lines > 0) {
-        for (int64_t i = 0; i < per; ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T0);
-        pf += 64 * per;
-        pf_lines -= per;
-      }
+      prefetch_kernel_step<Hint>(wp, streaming, dist, far, pf, pf_lines, per);
       const __m512i v0 = _mm512_load_si512(wp), v1 = _mm512_load_si512(wp + 64);
       const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
       const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi_mask));

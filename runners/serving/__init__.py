@@ -2,6 +2,7 @@
 
 - serve.py: `mode=serve`, one server on the model until SIGTERM.
 - workload.py: `workload=serving`, the server driven by guidellm at levels of load, one record per level.
+- guidellm_main.py: guidellm's command line with its Poisson schedule's origin set before its workers start.
 - rate_search.py: the highest Poisson rate within latency limits (pure logic, tested on injected measurements).
 - aiperf.py: the second load generator, aiperf (its own environment), run for per-token times.
 - itl.py: ITL percentiles from those times and from the server's /metrics histogram (pure logic).

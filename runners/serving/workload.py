@@ -16,6 +16,7 @@ server's /metrics text at the end of each level is kept in the record.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -49,7 +50,11 @@ def free_port() -> int:
 
 
 def guidellm_command() -> list[str] | None:
-    exe = shutil.which("guidellm", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    """guidellm's command line: through runners/serving/guidellm_main.py (its Poisson schedule's origin set before
+    its workers start) where this Python has guidellm; None where no guidellm is found."""
+    if importlib.util.find_spec("guidellm") is not None:
+        return [sys.executable, "-m", "runners.serving.guidellm_main"]
+    exe = shutil.which("guidellm")  # another environment's: as it is (the arrival-rate check still guards)
     return [exe] if exe else None
 
 

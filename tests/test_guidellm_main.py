@@ -3,7 +3,6 @@
 import asyncio
 import importlib.util
 import subprocess
-import sys
 from multiprocessing import get_context
 
 import pytest
